@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` and `make test`. Each builds .venv if missing.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# Pin the dev environment to the CPU wheel of the torch we test (an unpinned torch pulls CUDA).
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) benchmarks/demo.py
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -m "not inductor"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
