@@ -1,0 +1,1 @@
+from .remat import RematProblem, RematResult, load_graph, simulate, solve_remat

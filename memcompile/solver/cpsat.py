@@ -7,6 +7,7 @@ through `run_model`, so determinism and time-limit handling behave the same ever
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from ortools.sat.python import cp_model
 
@@ -56,10 +57,17 @@ def run_model(
     workers: int = DEFAULT_WORKERS,
     seed: int = DEFAULT_SEED,
     relative_gap: float = 0.0,
+    extra_params: Mapping[str, object] | None = None,
 ) -> SolveOutcome:
-    """Solve `model` with a hard wall-clock limit; never raises on timeout."""
+    """Solve `model` with a hard wall-clock limit; never raises on timeout.
+
+    `extra_params` sets further CpSolverParameters fields by name (e.g. presolve effort);
+    solution hints go on the model itself (`model.AddHint`).
+    """
     solver = cp_model.CpSolver()
     params = solver.parameters
+    for name, value in (extra_params or {}).items():
+        setattr(params, name, value)
     params.max_time_in_seconds = max(0.01, float(time_limit_s))
     params.num_workers = max(1, int(workers))
     params.random_seed = int(seed)

@@ -1,0 +1,181 @@
+"""Every private torch API memcompile touches, behind names of ours.
+
+Tested against torch 2.13.0 only (pyproject pins <2.14). When torch moves one of these, this is
+the one file to change; tests/test_private_api_boundary.py fails if `torch._` is imported anywhere
+else in the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+from torch._functorch import config as _functorch_config
+from torch._functorch import partitioners as _partitioners
+from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
+from torch._functorch.compile_utils import raise_getitems as _raise_getitems
+from torch._inductor import config as _inductor_config
+from torch._inductor.compile_fx import compile_fx as _compile_fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn as _CustomPartitionerFn
+from torch._inductor.decomposition import select_decomp_table as _select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+
+TORCH_VERSION = torch.__version__
+
+# Base class Inductor requires for `config.custom_partitioner_fn`.
+PartitionerBase = _CustomPartitionerFn
+
+
+def is_primal(node: fx.Node) -> bool:
+    """A joint-graph placeholder holding a forward input (parameter, buffer or user input)."""
+    return _is_primal(node)
+
+
+def is_tangent(node: fx.Node) -> bool:
+    """A joint-graph placeholder holding an incoming gradient."""
+    return _is_tangent(node)
+
+
+def is_sym_node(node: fx.Node) -> bool:
+    return _partitioners.is_sym_node(node)
+
+
+def node_nbytes(node: fx.Node) -> int:
+    """Bytes of a node's value (sum over tuple members), symbolic sizes resolved by their hint."""
+    return int(_partitioners._size_of(node))
+
+
+def must_recompute_tag(node: fx.Node) -> bool:
+    return _partitioners.must_recompute(node)
+
+
+def prepare_joint_graph(joint: fx.GraphModule) -> fx.GraphModule:
+    """The stock partitioner's preprocessing: DCE, user checkpoint tags, forced saves."""
+    joint.graph.eliminate_dead_code()
+    joint.recompile()
+    if _partitioners.has_recomputable_ops(joint):
+        joint = _partitioners.cleanup_recompute_tags(joint, is_default_partition=False)
+    if not _functorch_config.unsafe_allow_optimization_of_collectives:
+        _partitioners.force_save_collectives(joint)
+    _partitioners.force_save_effectful_ops(joint)
+    _partitioners.force_save_bw_mutation_src(joint)
+    return joint
+
+
+def classify_joint_nodes(
+    joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices: Sequence[int]
+) -> tuple[set[fx.Node], set[fx.Node], set[fx.Node]]:
+    """(forward-required, backward-required, unclaimed) node sets, as the stock partitioner sees them."""
+    info = _partitioners.classify_nodes(joint, list(static_lifetime_input_indices), num_fwd_outputs)
+    return set(info.required_fw_nodes), set(info.required_bw_nodes), set(info.unclaimed_nodes)
+
+
+def static_lifetime_nodes(joint: fx.GraphModule, indices: Sequence[int]) -> set[fx.Node]:
+    primals = [n for n in joint.graph.nodes if is_primal(n)]
+    return {p for i, p in enumerate(primals) if i in set(indices)}
+
+
+def extract_forward_backward(
+    joint: fx.GraphModule,
+    saved_values: list[fx.Node],
+    saved_sym_nodes: list[fx.Node],
+    num_fwd_outputs: int,
+    static_lifetime_input_nodes: set[fx.Node],
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split the joint graph given the saved set; anything else backward needs is recomputed.
+
+    The backward is reordered so each recomputed node runs just before its first use (as the
+    autograd engine would), not all at the start of backward.
+    """
+    from torch.utils._ordered_set import OrderedSet
+
+    fw, bw = _partitioners._extract_fwd_bwd_modules(
+        joint,
+        saved_values,
+        saved_sym_nodes=saved_sym_nodes,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=OrderedSet(static_lifetime_input_nodes),
+    )
+    bw = _partitioners.reordering_to_mimic_autograd_engine(bw)
+    return _raise_getitems(fw), _raise_getitems(bw)
+
+
+def stock_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+    """PyTorch's own min-cut partitioner (used for graphs we do not plan, e.g. no backward)."""
+    return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def is_fake_tensor(x: object) -> bool:
+    return isinstance(x, _FakeTensor)
+
+
+def inductor_decompositions() -> dict:
+    return _select_decomp_table()
+
+
+@contextlib.contextmanager
+def caches_disabled():
+    """Plans are made inside the partitioner, which a cache hit skips; until plans are persisted
+    next to Inductor's cache entries we compile without the FX/AOT caches."""
+    with _functorch_config.patch(enable_autograd_cache=False), _inductor_config.patch(
+        fx_graph_cache=False
+    ):
+        yield
+
+
+def compile_with_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn
+) -> Callable:
+    """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in."""
+    with caches_disabled():
+        return _compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+
+
+def _boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any) -> Callable:
+    """Run an FX graph eagerly, freeing every value after its last use (boxed calling
+    convention), so memory follows the graph order exactly as the liveness pass models it."""
+
+    def run(args: list) -> Any:
+        return fx.Interpreter(gm, garbage_collect_values=True).boxed_run(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def compile_with_aot_eager(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partition_fn: Callable
+) -> Callable:
+    """AOTAutograd + our partitioner, graphs run by the FX interpreter (fast tests, no codegen)."""
+    backend = _aot_autograd(
+        fw_compiler=_boxed_interpreter,
+        bw_compiler=_boxed_interpreter,
+        inference_compiler=_boxed_interpreter,
+        partition_fn=partition_fn,
+        decompositions=_select_decomp_table(),
+    )
+    with caches_disabled():
+        return backend(gm, example_inputs)
+
+
+def reset_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def profiler_allocation_deltas(prof: Any) -> list[tuple[int, int]]:
+    """(time_ns, bytes) of every CPU/CUDA allocator event a `torch.profiler.profile(
+    profile_memory=True)` recorded; frees are negative. Frees of blocks allocated before the
+    profile started are not reported by the allocator, so they never appear here."""
+    allocation = torch._C._profiler._EventType.Allocation
+    deltas: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        kind, extra = event.typed
+        if kind == allocation:
+            deltas.append((event.start_time_ns, int(extra.alloc_size)))
+        stack.extend(event.children)
+    deltas.sort()
+    return deltas

@@ -1,0 +1,77 @@
+"""Measure what the budget promises: the peak bytes held by tensors during one step."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from memcompile import _torch_private as tp
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    peak_bytes: int  # live at start + the largest rise during the step
+    live_at_start_bytes: int
+    rise_bytes: int
+    device: str
+    result: Any
+
+
+def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _tensors_of(things: Iterable[object]) -> Iterable[torch.Tensor]:
+    for thing in things:
+        if isinstance(thing, torch.nn.Module):
+            for t in list(thing.parameters()) + list(thing.buffers()):
+                yield t
+                if t.grad is not None:
+                    yield t.grad
+        elif isinstance(thing, torch.Tensor):
+            yield thing
+            if thing.grad is not None:
+                yield thing.grad
+
+
+def _all_live_cpu_tensors() -> list[torch.Tensor]:
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+
+
+def measure_peak(
+    fn: Callable[..., Any], *args: Any, live_at_start: Iterable[object] | None = None,
+    device: str = "cpu", **kwargs: Any,
+) -> PeakMeasurement:
+    """Run `fn(*args, **kwargs)` once and report the peak of tensor memory during it.
+
+    CUDA: `torch.cuda.max_memory_allocated()` after a reset (everything allocated counts).
+    CPU: the allocator's events during the call (a running sum) on top of what was live at the
+    start: `live_at_start` (modules, counting parameters, buffers and grads, and tensors) or, when
+    None, every CPU tensor the garbage collector can find.
+    """
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        return PeakMeasurement(peak, start, peak - start, device, result)
+    tensors = _tensors_of(live_at_start) if live_at_start is not None else _all_live_cpu_tensors()
+    start = _unique_storage_bytes(tensors)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn(*args, **kwargs)
+    running = rise = 0
+    for _time_ns, delta in tp.profiler_allocation_deltas(prof):
+        running += delta
+        rise = max(rise, running)
+    return PeakMeasurement(start + rise, start, rise, device, result)

@@ -1,0 +1,91 @@
+"""User options, parsed and validated once, then passed explicitly (a frozen, hashable record)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_ACCEPTED = ('an int number of bytes (> 0) or a string such as "20GB" (10^9), "20GiB" (2^30), '
+             '"512MB", "1.5 GiB"; units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (case-insensitive)')
+
+
+def parse_bytes(value: object, *, name: str = "limit", allow_zero: bool = False) -> int:
+    """Bytes from an int or a size string; ValueError naming `name` and what is accepted."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not a size: expected {_ACCEPTED}")
+    if isinstance(value, int):
+        number = float(value)
+        multiplier = 1
+    elif isinstance(value, float):
+        number, multiplier = value, 1
+    elif isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{name}={value!r} is not a size: expected {_ACCEPTED}")
+        number, multiplier = float(match.group(1)), _UNITS[unit]
+    else:
+        raise ValueError(f"{name} has type {type(value).__name__}: expected {_ACCEPTED}")
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"{name}={value!r} is not finite: expected {_ACCEPTED}")
+    result = int(number * multiplier)
+    if result < 0 or (result == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'} bytes: expected {_ACCEPTED}")
+    return result
+
+
+CODEGENS = ("inductor", "aot_eager")
+
+
+@dataclass(frozen=True)
+class Options:
+    budget_bytes: int  # peak bytes of one forward+backward step (see README: budget semantics)
+    reserve_bytes: int = 0  # held outside the step (e.g. optimizer state): subtracted from the budget
+    time_limit_s: float = 10.0  # solver wall-clock limit per graph; the best plan found is used
+    codegen: str = "inductor"  # "inductor" (C++/Triton) or "aot_eager" (FX interpreter, for tests)
+    device: str | None = None  # cost profile: "cpu", "a100", "h100", "h200"; None = the inputs' device
+    workers: int = 2  # CP-SAT workers; fixed with the seed so the same graph gives the same plan
+    seed: int = 0
+
+    @property
+    def step_budget_bytes(self) -> int:
+        return self.budget_bytes - self.reserve_bytes
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+
+def make_options(limit: object, **overrides: object) -> Options:
+    """Validate `memcompile.budget(limit, **options)` arguments into Options."""
+    known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
+    budget_bytes = parse_bytes(limit, name="limit")
+    reserve_bytes = parse_bytes(overrides.pop("reserve", 0), name="reserve", allow_zero=True)
+    if reserve_bytes >= budget_bytes:
+        raise ValueError(f"reserve={reserve_bytes} bytes leaves nothing of limit={budget_bytes} bytes for the step; "
+                         "pass a reserve smaller than the limit")
+    time_limit_s = overrides.pop("time_limit_s", 10.0)
+    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) or not (0 < time_limit_s < math.inf):
+        raise ValueError(f"time_limit_s={time_limit_s!r}: expected a positive number of seconds")
+    codegen = overrides.pop("codegen", "inductor")
+    if codegen not in CODEGENS:
+        raise ValueError(f"codegen={codegen!r}: expected one of {CODEGENS}")
+    device = overrides.pop("device", None)
+    if device is not None and not isinstance(device, str):
+        raise ValueError(f"device={device!r}: expected a name such as 'cpu', 'cuda', 'h100', or None")
+    workers = overrides.pop("workers", 2)
+    seed = overrides.pop("seed", 0)
+    for key, val in (("workers", workers), ("seed", seed)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < (1 if key == "workers" else 0):
+            raise ValueError(f"{key}={val!r}: expected an int {'>= 1' if key == 'workers' else '>= 0'}")
+    return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed)

@@ -1,0 +1,70 @@
+"""The plan a compiled graph runs with: plain records, readable and serialisable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one forward tensor the backward needs."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    choice: str  # "keep" | "recompute"
+    time_cost_s: float  # estimated added step time of this choice
+    reason: str  # why the alternative was not possible, if it was not
+    source: str  # the user's line that produced it, when known
+
+
+@dataclass(frozen=True)
+class Plan:
+    graph_id: str
+    budget_bytes: int
+    reserve_bytes: int
+    predicted_peak_before_bytes: int  # every needed activation kept (stock behaviour, no recompute)
+    predicted_peak_bytes: int
+    peak_phase: str
+    peak_node: str
+    peak_breakdown: tuple[tuple[str, int], ...]
+    decisions: tuple[Decision, ...]
+    added_time_s: float
+    solver_status: str  # "fits" (no recompute needed) | "optimal" | "feasible" | "fallback"
+    solve_s: float
+    gap: float
+    live_bytes_before: tuple[int, ...]  # per step, forward then backward
+    live_bytes_after: tuple[int, ...]
+
+    @property
+    def step_budget_bytes(self) -> int:
+        return self.budget_bytes - self.reserve_bytes
+
+    def choices(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for d in self.decisions:
+            counts[d.choice] = counts.get(d.choice, 0) + 1
+        return counts
+
+    def summary(self) -> str:
+        kept = sum(d.nbytes for d in self.decisions if d.choice == "keep")
+        recomputed = sum(d.nbytes for d in self.decisions if d.choice == "recompute")
+        lines = [
+            f"memcompile plan for {self.graph_id}: budget {format_bytes(self.budget_bytes)}"
+            + (f" (reserve {format_bytes(self.reserve_bytes)})" if self.reserve_bytes else ""),
+            f"  predicted peak {format_bytes(self.predicted_peak_before_bytes)} -> "
+            f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_phase} node {self.peak_node}",
+            f"  saved activations: keep {format_bytes(kept)}, recompute {format_bytes(recomputed)} "
+            f"({self.choices()}); added time ~{self.added_time_s * 1e3:.2f} ms",
+            f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}",
+        ]
+        return "\n".join(lines)

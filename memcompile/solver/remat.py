@@ -1,0 +1,702 @@
+"""Rematerialization under a memory budget: problem, loaders, checker and CP-SAT solver.
+
+Semantics (shared by `baseline_schedule`, `simulate` and `solve_remat`):
+
+* A schedule is a sequence of ("compute", v) / ("free", v) events starting from empty memory.
+* ("compute", v) needs every predecessor of v resident and v itself not resident; while v runs,
+  memory = static_bytes + bytes of resident tensors + size(v); afterwards v is resident.
+* The first computation of every node follows the problem's node order (a topological order);
+  computing a node again after freeing it (recomputation) is allowed when `recomputable[v]`.
+* Peak = max memory over compute events; cost = sum of compute costs over compute events.
+* Outputs are not pinned: a sink may be freed right after it is computed (the baseline does so).
+
+Formulation (after Bartan et al., "Moccasin", ICML 2023; written from the paper, not their code):
+time is a grid of stages; node i's first computation is at stage (i+1)*K-1 (K = substeps per node,
+1 for large graphs). Each node owns up to C "retention intervals" [start, end] of stages: the first
+starts at its first stage, later ones are recomputations. An interval may start only at a stage
+where every predecessor has an interval covering it. A cumulative constraint bounds the bytes of
+intervals covering each stage. The emitted schedule, per stage, computes the starting intervals in
+node order, then frees the ending ones, so memory at the stage's last compute is exactly the
+cumulative's load at that stage: the model's memory accounting is exact for what we emit.
+Because C and the stage grid restrict the schedules, the CP-SAT bound is a lower bound on cost
+*within this formulation*; small graphs get a grid fine enough to contain the optimal schedules.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import networkx as nx
+from ortools.sat.python import cp_model
+
+from .cpsat import DEFAULT_SEED, DEFAULT_WORKERS, run_model
+
+Event = tuple[str, int]
+Schedule = tuple[Event, ...]
+
+
+class InvalidSchedule(ValueError):
+    """A schedule violates the rematerialization semantics."""
+
+
+# ----------------------------------------------------------------------------------- problem
+
+
+@dataclass(frozen=True)
+class RematProblem:
+    """A DAG in topological order; node i's predecessors all have indices < i."""
+
+    names: tuple[str, ...]
+    preds: tuple[tuple[int, ...], ...]
+    cost: tuple[float, ...]
+    size: tuple[int, ...]
+    recomputable: tuple[bool, ...] | None = None  # None: every node may be recomputed
+    static_bytes: int = 0  # memory held throughout (weights, optimizer state, ...)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not (len(self.preds) == len(self.cost) == len(self.size) == n):
+            raise ValueError("names, preds, cost and size must have one entry per node")
+        if self.recomputable is None:
+            object.__setattr__(self, "recomputable", (True,) * n)
+        elif len(self.recomputable) != n:
+            raise ValueError("recomputable must have one entry per node")
+        for v, ps in enumerate(self.preds):
+            if any(not 0 <= u < v for u in ps) or len(set(ps)) != len(ps):
+                raise ValueError(f"preds of node {v} must be distinct indices of earlier nodes")
+        if any(s < 0 for s in self.size) or any(c < 0 for c in self.cost) or self.static_bytes < 0:
+            raise ValueError("sizes, costs and static_bytes must be non-negative")
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @cached_property
+    def succs(self) -> tuple[tuple[int, ...], ...]:
+        out: list[list[int]] = [[] for _ in range(self.n)]
+        for v, ps in enumerate(self.preds):
+            for u in ps:
+                out[u].append(v)
+        return tuple(tuple(s) for s in out)
+
+
+@dataclass(frozen=True)
+class RematResult:
+    """Outcome of `solve_remat`.
+
+    status: "optimal" (proven within the formulation), "feasible" (CP-SAT schedule, gap > 0),
+    "timeout_fallback" (CP-SAT found nothing better in time; greedy schedule returned),
+    "infeasible" (budget below a proven lower bound on the minimum peak),
+    "infeasible_in_model" (CP-SAT proved no schedule exists within the formulation and the greedy
+    failed), "no_schedule" (nothing found before the time limit).
+    lower_bound: with a schedule, a lower bound on cost within the formulation; without one, the
+    best proven lower bound on the minimum achievable peak (`peak_lower_bound`).
+    """
+
+    schedule: Schedule
+    peak: int
+    cost: float
+    lower_bound: float
+    status: str
+    solve_s: float
+    gap: float
+    peak_lower_bound: int = 0
+
+    @property
+    def has_schedule(self) -> bool:
+        return bool(self.schedule)
+
+
+# ----------------------------------------------------------------------------------- loaders
+
+_FORMATS = (
+    # (link source key, link target key, compute-cost attribute, bytes attribute)
+    ("source", "target", "cost_cpu", "cost_ram"),  # Checkmate export
+    ("0", "1", "duration", "out_cost"),  # Moccasin random layered graphs
+)
+
+
+def load_networkx(path: str | Path) -> nx.DiGraph:
+    """Read a node-link JSON graph, recognising its link keys from the content."""
+    data = json.loads(Path(path).read_text())
+    links = data.get("links", data.get("edges", []))
+    source, target = ("0", "1") if links and "0" in links[0] else ("source", "target")
+    nodes = data.get("nodes", [])
+    node_key = "id" if not nodes or "id" in nodes[0] else "name"
+    edges_key = "links" if "links" in data else "edges"
+    return nx.node_link_graph(data, edges=edges_key, source=source, target=target, name=node_key)
+
+
+def problem_from_networkx(graph: nx.DiGraph) -> RematProblem:
+    """Build a problem from either benchmark format (recognised by node attributes)."""
+    cost_attr, size_attr = _detect_attributes(graph)
+    order = list(graph.graph["order"]) if "order" in graph.graph else list(nx.topological_sort(graph))
+    index = {v: i for i, v in enumerate(order)}
+    if len(index) != graph.number_of_nodes() or set(index) != set(graph.nodes):
+        raise ValueError("graph order must list every node exactly once")
+    preds = []
+    for v in order:
+        ps = sorted(index[u] for u in graph.predecessors(v))
+        if ps and ps[-1] >= index[v]:
+            raise ValueError(f"order is not topological at node {v!r}")
+        preds.append(tuple(ps))
+    attrs = [graph.nodes[v] for v in order]
+    return RematProblem(
+        names=tuple(str(v) for v in order),
+        preds=tuple(preds),
+        cost=tuple(_as_number(a[cost_attr]) for a in attrs),
+        size=tuple(int(a[size_attr]) for a in attrs),
+    )
+
+
+def load_graph(path: str | Path) -> RematProblem:
+    return problem_from_networkx(load_networkx(path))
+
+
+def _detect_attributes(graph: nx.DiGraph) -> tuple[str, str]:
+    for _, _, cost_attr, size_attr in _FORMATS:
+        if all(cost_attr in d and size_attr in d for _, d in graph.nodes(data=True)):
+            return cost_attr, size_attr
+    raise ValueError("unrecognised graph: nodes need cost_cpu/cost_ram or duration/out_cost")
+
+
+def _as_number(x: object) -> float:
+    value = float(x)  # type: ignore[arg-type]
+    return int(value) if value.is_integer() else value
+
+
+# ------------------------------------------------------------------------ checker & baseline
+
+
+def simulate(problem: RematProblem, schedule: Iterable[Event]) -> tuple[int, float]:
+    """Replay `schedule`; return (peak, cost) or raise InvalidSchedule."""
+    resident = [False] * problem.n
+    computed_once = 0  # first computations must follow node order: next new node is this index
+    memory = problem.static_bytes
+    peak, cost = problem.static_bytes, 0.0
+    for step, (kind, v) in enumerate(schedule):
+        if not 0 <= v < problem.n:
+            raise InvalidSchedule(f"event {step}: unknown node {v}")
+        if kind == "compute":
+            if resident[v]:
+                raise InvalidSchedule(f"event {step}: node {v} computed while resident")
+            if v > computed_once:
+                raise InvalidSchedule(f"event {step}: node {v} computed before node {computed_once}")
+            if v < computed_once and not problem.recomputable[v]:
+                raise InvalidSchedule(f"event {step}: node {v} may not be recomputed")
+            missing = [u for u in problem.preds[v] if not resident[u]]
+            if missing:
+                raise InvalidSchedule(f"event {step}: node {v} needs non-resident {missing}")
+            peak = max(peak, memory + problem.size[v])
+            memory += problem.size[v]
+            resident[v] = True
+            cost += problem.cost[v]
+            computed_once = max(computed_once, v + 1)
+        elif kind == "free":
+            if not resident[v]:
+                raise InvalidSchedule(f"event {step}: free of non-resident node {v}")
+            resident[v] = False
+            memory -= problem.size[v]
+        else:
+            raise InvalidSchedule(f"event {step}: unknown event kind {kind!r}")
+    if computed_once != problem.n:
+        raise InvalidSchedule(f"only {computed_once} of {problem.n} nodes were computed")
+    return peak, cost
+
+
+def baseline_schedule(problem: RematProblem) -> Schedule:
+    """Node order, no recomputation, every tensor freed right after its last use (sinks at once)."""
+    last_use = [max(s, default=v) for v, s in enumerate(problem.succs)]
+    events: list[Event] = []
+    for v in range(problem.n):
+        events.append(("compute", v))
+        events.extend(("free", u) for u in problem.preds[v] if last_use[u] == v)
+        if last_use[v] == v:
+            events.append(("free", v))
+    return tuple(events)
+
+
+def peak_lower_bound(problem: RematProblem) -> int:
+    """Proven lower bound on the peak of any valid schedule.
+
+    Computing v needs v's inputs resident; and when the last of those inputs (u) was computed,
+    the other inputs of v and all inputs of u were resident too.
+    """
+    size = problem.size
+    best = 0
+    for v, ps in enumerate(problem.preds):
+        best = max(best, size[v] + sum(size[u] for u in ps))
+        if ps:
+            last_input = min(size[u] + sum(size[w] for w in set(problem.preds[u]) | (set(ps) - {u})) for u in ps)
+            best = max(best, last_input)
+    return best + problem.static_bytes
+
+
+# ------------------------------------------------------------------------- stage-grid plans
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Stage grid: node v is first computed at stage first[v]; horizon stages in total."""
+
+    substeps: int
+    max_computations: tuple[int, ...]  # C per node
+    horizon: int
+
+    def first(self, v: int) -> int:
+        return (v + 1) * self.substeps - 1
+
+
+@dataclass(frozen=True)
+class _Interval:
+    node: int
+    start: int
+    end: int  # inclusive: resident over stages start..end, freed after stage `end`
+
+
+def _make_grid(problem: RematProblem, substeps: int | None, max_computations: int | None) -> _Grid:
+    small = problem.n <= 8  # tiny graphs: a grid fine enough to hold the optimal schedules
+    k = substeps or (problem.n if small else 1)
+    c = max_computations or (max(2, problem.n) if small else 2)
+    k = max(1, k)
+    horizon = problem.n * k
+    per_node = tuple(_computations_allowed(problem, v, c, (v + 1) * k - 1, horizon) for v in range(problem.n))
+    return _Grid(substeps=k, max_computations=per_node, horizon=horizon)
+
+
+def _computations_allowed(problem: RematProblem, v: int, c: int, first: int, horizon: int) -> int:
+    # Presolve: recomputing a sink, a size-0 tensor or a pinned node never helps / is not allowed,
+    # and a recomputation needs a free stage between it and the first computation.
+    if not problem.recomputable[v] or not problem.succs[v] or problem.size[v] == 0:
+        return 1
+    return c if first + 2 <= horizon - 1 else 1
+
+
+def _intervals_from_computes(problem: RematProblem, computes: Sequence[Sequence[int]]) -> list[_Interval]:
+    """Shortest retention intervals for given compute stages (each sorted, first = first stage).
+
+    Every compute of w at stage s is served by the latest compute of each input at stage <= s;
+    that input stays resident until its last such use.
+    """
+    ends = [list(cs) for cs in computes]
+    for w, stages in enumerate(computes):
+        for u in problem.preds[w]:
+            cu = computes[u]
+            for s in stages:
+                k = bisect.bisect_right(cu, s) - 1
+                if ends[u][k] < s:
+                    ends[u][k] = s
+    return [_Interval(v, s, e) for v, cs in enumerate(computes) for s, e in zip(cs, ends[v])]
+
+
+def _schedule_from_intervals(intervals: Iterable[_Interval]) -> Schedule:
+    """Per stage: compute the starting intervals in node order, then free the ending ones."""
+    by_stage: dict[int, tuple[list[int], list[int]]] = {}
+    for iv in intervals:
+        by_stage.setdefault(iv.start, ([], []))[0].append(iv.node)
+        by_stage.setdefault(iv.end, ([], []))[1].append(iv.node)
+    events: list[Event] = []
+    for stage in sorted(by_stage):
+        starts, ends = by_stage[stage]
+        events.extend(("compute", v) for v in sorted(starts))
+        events.extend(("free", v) for v in sorted(ends))
+    return tuple(events)
+
+
+def _stage_loads(problem: RematProblem, intervals: Iterable[_Interval], horizon: int) -> list[int]:
+    diff = [0] * (horizon + 1)
+    for iv in intervals:
+        diff[iv.start] += problem.size[iv.node]
+        diff[iv.end + 1] -= problem.size[iv.node]
+    loads, running = [], 0
+    for d in diff[:horizon]:
+        running += d
+        loads.append(running)
+    return loads
+
+
+# ------------------------------------------------------------------------------ greedy plan
+
+
+def _greedy_computes(problem: RematProblem, grid: _Grid, capacity: int, deadline: float) -> list[list[int]] | None:
+    """Repair the no-recompute plan until every stage fits `capacity` (bytes, static excluded).
+
+    Visiting stages from the most loaded down, free a tensor that is idle there and recompute it
+    at its next use; pick the split with the least cost per byte-stage of overflow removed (inputs
+    that must then live until the recomputation are charged). Returns compute stages per node, or
+    None if no split reduces the overflow.
+    """
+    computes = [[grid.first(v)] for v in range(problem.n)]
+    while time.monotonic() < deadline:
+        intervals = _intervals_from_computes(problem, computes)
+        loads = _stage_loads(problem, intervals, grid.horizon)
+        overloaded = sorted((t for t in range(grid.horizon) if loads[t] > capacity), key=lambda t: -loads[t])
+        if not overloaded:
+            return computes
+        split = _first_useful_split(problem, grid, computes, intervals, loads, capacity, overloaded)
+        if split is None:
+            return None
+        v, stage = split
+        bisect.insort(computes[v], stage)
+    return None
+
+
+def _first_useful_split(
+    problem: RematProblem,
+    grid: _Grid,
+    computes: list[list[int]],
+    intervals: list[_Interval],
+    loads: list[int],
+    capacity: int,
+    overloaded: list[int],
+) -> tuple[int, int] | None:
+    uses = _use_stages(problem, computes)
+    by_node: dict[int, list[_Interval]] = {}
+    for iv in intervals:
+        by_node.setdefault(iv.node, []).append(iv)
+    for t in overloaded[:20]:  # the worst stages first; a few suffice to find progress
+        best: tuple[float, int, int] | None = None
+        for iv in intervals:
+            v = iv.node
+            if not (iv.start < t < iv.end) or t in uses[v] or len(computes[v]) >= grid.max_computations[v]:
+                continue  # not idle at t, or no recomputation left
+            next_use = min(s for s in uses[v] if s > t)
+            last_use = max([s for s in uses[v] if iv.start <= s < t], default=iv.start)
+            # Recomputing a little before the next use can keep the inputs off that (busy) stage.
+            for redo in range(next_use, max(t, next_use - 4), -1):
+                removed = _overflow_removed(problem, by_node, computes, loads, capacity, v, last_use, redo)
+                if removed > 0:
+                    score = problem.cost[v] / removed
+                    if best is None or (score, v, -redo) < (best[0], best[1], -best[2]):
+                        best = (score, v, redo)
+        if best is not None:
+            return best[1], best[2]
+    return None
+
+
+def _use_stages(problem: RematProblem, computes: list[list[int]]) -> list[set[int]]:
+    uses: list[set[int]] = [set() for _ in range(problem.n)]
+    for w, stages in enumerate(computes):
+        for u in problem.preds[w]:
+            uses[u].update(stages)
+    return uses
+
+
+def _overflow_removed(
+    problem: RematProblem,
+    by_node: Mapping[int, list[_Interval]],
+    computes: list[list[int]],
+    loads: list[int],
+    capacity: int,
+    v: int,
+    last_use: int,
+    redo: int,
+) -> int:
+    """Byte-stages over capacity removed by freeing v after `last_use`, recomputing it at `redo`."""
+    delta: dict[int, int] = {s: -problem.size[v] for s in range(last_use + 1, redo)}
+    for u in problem.preds[v]:  # inputs must now stay resident until the recomputation
+        k = bisect.bisect_right(computes[u], redo) - 1
+        for s in range(by_node[u][k].end + 1, redo + 1):
+            delta[s] = delta.get(s, 0) + problem.size[u]
+    return sum(max(0, loads[s] - capacity) - max(0, loads[s] + d - capacity) for s, d in delta.items())
+
+
+# ---------------------------------------------------------------------------- CP-SAT model
+
+
+@dataclass(frozen=True)
+class _SlotVars:
+    node: int
+    start: cp_model.IntVar | int
+    end: cp_model.IntVar
+    present: cp_model.IntVar | bool
+
+
+@dataclass
+class _RematModel:
+    model: cp_model.CpModel
+    slots: list[list[_SlotVars]]
+    cover: dict[tuple[int, int, int, int], cp_model.IntVar] = field(default_factory=dict)  # (v,j,u,k)
+
+
+def _build_model(problem: RematProblem, grid: _Grid, capacity: int, cost_scale: int) -> _RematModel:
+    model = cp_model.CpModel()
+    # Presolve: a sink is freed right after it is computed (nothing reads it).
+    slots = [_node_slots(model, grid, v, not problem.succs[v]) for v in range(problem.n)]
+    rm = _RematModel(model=model, slots=slots)
+    for v in range(problem.n):
+        for j, slot in enumerate(slots[v]):
+            for u in problem.preds[v]:
+                _require_input_resident(rm, slot, j, u)
+    _add_memory_limit(problem, rm, capacity, grid.horizon)
+    _add_first_compute_covers(problem, rm, capacity)
+    model.Minimize(
+        sum(round(problem.cost[v] * cost_scale) * slot.present for v in range(problem.n) for slot in slots[v][1:])
+    )
+    return rm
+
+
+def _node_slots(model: cp_model.CpModel, grid: _Grid, v: int, sink_free_at_once: bool) -> list[_SlotVars]:
+    first, last = grid.first(v), grid.horizon - 1
+    last_end = first if sink_free_at_once else last
+    slots = [_SlotVars(v, first, model.NewIntVar(first, last_end, f"e{v}_0"), True)]
+    for j in range(1, grid.max_computations[v]):
+        present = model.NewBoolVar(f"p{v}_{j}")
+        start = model.NewIntVar(first + 2, last, f"s{v}_{j}")
+        end = model.NewIntVar(first + 2, last, f"e{v}_{j}")
+        prev = slots[-1]
+        model.Add(end >= start)
+        model.AddImplication(present, prev.present)
+        # A gap of at least one stage: back-to-back intervals are dominated by one longer interval.
+        model.Add(start >= prev.end + 2).OnlyEnforceIf(present)
+        model.Add(start == last).OnlyEnforceIf(present.Not())  # pin unused slots (symmetry)
+        model.Add(end == last).OnlyEnforceIf(present.Not())
+        slots.append(_SlotVars(v, start, end, present))
+    return slots
+
+
+def _require_input_resident(rm: _RematModel, slot: _SlotVars, j: int, u: int) -> None:
+    """If slot j of v is used, some interval of input u covers its start stage."""
+    model = rm.model
+    options = []
+    for k, inp in enumerate(rm.slots[u]):
+        cover = model.NewBoolVar(f"c{slot.node}_{j}_{u}_{k}")
+        if k > 0:
+            model.AddImplication(cover, inp.present)
+            model.Add(inp.start <= slot.start).OnlyEnforceIf(cover)
+        model.Add(inp.end >= slot.start).OnlyEnforceIf(cover)
+        if j > 0:
+            model.AddImplication(cover, slot.present)
+        rm.cover[(slot.node, j, u, k)] = cover
+        options.append(cover)
+    if j == 0:
+        model.AddBoolOr(options)
+    else:
+        model.AddBoolOr(options + [slot.present.Not()])
+
+
+def _add_memory_limit(problem: RematProblem, rm: _RematModel, capacity: int, horizon: int) -> None:
+    sized = [v for v in range(problem.n) if problem.size[v] > 0]
+    unit = math.gcd(*(problem.size[v] for v in sized)) if sized else 1  # smaller numbers, same constraint
+    intervals, demands = [], []
+    for v in sized:
+        for j, slot in enumerate(rm.slots[v]):
+            length = rm.model.NewIntVar(1, horizon, f"l{v}_{j}")
+            if j == 0:
+                iv = rm.model.NewIntervalVar(slot.start, length, slot.end + 1, f"i{v}_{j}")
+            else:
+                iv = rm.model.NewOptionalIntervalVar(slot.start, length, slot.end + 1, slot.present, f"i{v}_{j}")
+            intervals.append(iv)
+            demands.append(problem.size[v] // unit)
+    rm.model.AddCumulative(intervals, demands, capacity // unit)
+
+
+def _add_first_compute_covers(problem: RematProblem, rm: _RematModel, capacity: int) -> None:
+    """Redundant linear cuts that give CP-SAT a real lower bound (the cumulative's LP is weak).
+
+    When node t is first computed, its inputs are resident, and every earlier node that a later
+    first computation still reads is resident too unless it gets recomputed (slot 1 present).
+    """
+    demand_if_never_recomputed = _first_compute_demand(problem)
+    for t, (mandatory, optional) in enumerate(demand_if_never_recomputed):
+        if mandatory + sum(problem.size[x] for x in optional) <= capacity:
+            continue  # the stage fits even if nothing is recomputed
+        recomputed = {x: rm.slots[x][1].present for x in optional if len(rm.slots[x]) > 1}
+        fixed = sum(problem.size[x] for x in optional if x not in recomputed)
+        rm.model.Add(
+            sum(problem.size[x] * (1 - r) for x, r in recomputed.items()) <= capacity - mandatory - fixed
+        )
+
+
+def _first_compute_demand(problem: RematProblem) -> list[tuple[int, list[int]]]:
+    """Per node t: (bytes surely resident at its first computation, nodes resident unless recomputed)."""
+    last_use = [max(s, default=v) for v, s in enumerate(problem.succs)]
+    live: list[int] = []  # computed before t and read by a first computation after t
+    out = []
+    for t in range(problem.n):
+        inputs = set(problem.preds[t])
+        mandatory = problem.size[t] + sum(problem.size[u] for u in inputs)
+        out.append((mandatory, [x for x in live if x not in inputs]))
+        live = [x for x in live if last_use[x] > t] + ([t] if last_use[t] > t else [])
+    return out
+
+
+def first_compute_cost_bound(problem: RematProblem, budget: int) -> float:
+    """Cheap lower bound on cost valid for the real problem (not only the formulation).
+
+    For each first computation separately, the cheapest set of live tensors whose recomputation
+    frees enough bytes (fractional knapsack); the maximum over computations, plus one computation
+    of every node.
+    """
+    capacity = budget - problem.static_bytes
+    best = 0.0
+    for mandatory, optional in _first_compute_demand(problem):
+        excess = mandatory + sum(problem.size[x] for x in optional) - capacity
+        best = max(best, _fractional_cover_cost(problem, optional, excess))
+    return sum(problem.cost) + best
+
+
+def _fractional_cover_cost(problem: RematProblem, candidates: list[int], excess: int) -> float:
+    if excess <= 0:
+        return 0.0
+    paid = 0.0
+    movable = [x for x in candidates if problem.recomputable[x] and problem.size[x] > 0]
+    for x in sorted(movable, key=lambda x: problem.cost[x] / problem.size[x]):
+        take = min(1.0, excess / problem.size[x])
+        paid += take * problem.cost[x]
+        excess -= take * problem.size[x]
+        if excess <= 0:
+            return paid
+    return math.inf
+
+
+def _add_hint(problem: RematProblem, rm: _RematModel, grid: _Grid, computes: list[list[int]]) -> None:
+    intervals = _intervals_from_computes(problem, computes)
+    per_node: dict[int, list[_Interval]] = {}
+    for iv in intervals:
+        per_node.setdefault(iv.node, []).append(iv)
+    last = grid.horizon - 1
+    for v, slots in enumerate(rm.slots):
+        for j, slot in enumerate(slots):
+            used = j < len(per_node[v])
+            start, end = (per_node[v][j].start, per_node[v][j].end) if used else (last, last)
+            if j > 0:
+                rm.model.AddHint(slot.present, used)
+                rm.model.AddHint(slot.start, start)
+            rm.model.AddHint(slot.end, end)
+    for (v, j, u, k), var in rm.cover.items():
+        used = j < len(computes[v])
+        serving = bisect.bisect_right(computes[u], computes[v][j]) - 1 if used else -1
+        rm.model.AddHint(var, k == serving)
+
+
+def _computes_from_solution(rm: _RematModel, solver: cp_model.CpSolver) -> list[_Interval]:
+    intervals = []
+    for slots in rm.slots:
+        for slot in slots:
+            if slot.present is True or solver.BooleanValue(slot.present):
+                start = slot.start if isinstance(slot.start, int) else solver.Value(slot.start)
+                intervals.append(_Interval(slot.node, start, solver.Value(slot.end)))
+    return intervals
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def solve_remat(
+    problem: RematProblem,
+    budget: int,
+    time_limit_s: float = 30.0,
+    workers: int = DEFAULT_WORKERS,
+    seed: int = DEFAULT_SEED,
+    *,
+    relative_gap: float = 0.0,
+    max_computations: int | None = None,
+    substeps: int | None = None,
+) -> RematResult:
+    """Cheapest schedule with peak <= budget (within the formulation), best found in time.
+
+    Every returned schedule has been replayed by `simulate` and fits the budget.
+    """
+    started = time.monotonic()
+    deadline = started + time_limit_s
+    peak_lb = peak_lower_bound(problem)
+    if budget < peak_lb:
+        return _no_schedule("infeasible", peak_lb, started)
+    capacity = budget - problem.static_bytes
+    grid, greedy = _grid_with_greedy_plan(problem, capacity, substeps, max_computations, started + 0.3 * time_limit_s)
+    fallback = _checked(problem, budget, _intervals_from_computes(problem, greedy)) if greedy else None
+
+    scale = _cost_scale(problem.cost)
+    rm = _build_model(problem, grid, capacity, scale)
+    if greedy is not None:
+        _add_hint(problem, rm, grid, greedy)
+    remaining = deadline - time.monotonic()
+    outcome = run_model(rm.model, time_limit_s=remaining, workers=workers, seed=seed, relative_gap=relative_gap)
+
+    base_cost = sum(problem.cost)
+    if outcome.has_solution:
+        schedule = _checked(problem, budget, _computes_from_solution(rm, outcome.solver))
+        if schedule is not None and (fallback is None or _cost(problem, schedule) <= _cost(problem, fallback)):
+            lower = base_cost + outcome.lower_bound / scale
+            return _with_schedule(problem, schedule, lower, outcome.status, started)
+    if fallback is not None:
+        lower = base_cost + outcome.lower_bound / scale if outcome.has_solution else base_cost
+        return _with_schedule(problem, fallback, lower, "timeout_fallback", started)
+    status = "infeasible_in_model" if outcome.status == "infeasible" else "no_schedule"
+    return _no_schedule(status, peak_lb, started)
+
+
+def _grid_with_greedy_plan(
+    problem: RematProblem, capacity: int, substeps: int | None, max_computations: int | None, deadline: float
+) -> tuple[_Grid, list[list[int]] | None]:
+    """Smallest formulation (C computations per node) in which the greedy finds a plan.
+
+    Tight budgets on wide graphs need a third computation of some nodes; C=3 costs a larger
+    model, so it is used only when the greedy cannot fit the budget with C=2.
+    """
+    choices = [max_computations] if max_computations else [None, 3]
+    for c in choices:
+        grid = _make_grid(problem, substeps, c)
+        greedy = _greedy_computes(problem, grid, capacity, deadline)
+        if greedy is not None:
+            break
+    return grid, greedy
+
+
+def _checked(problem: RematProblem, budget: int, intervals: Iterable[_Interval]) -> Schedule | None:
+    """Emit the schedule and keep it only if the independent replay says it fits."""
+    schedule = _schedule_from_intervals(intervals)
+    try:
+        peak, _ = simulate(problem, schedule)
+    except InvalidSchedule:
+        return None
+    return schedule if peak <= budget else None
+
+
+def _cost(problem: RematProblem, schedule: Schedule) -> float:
+    return simulate(problem, schedule)[1]
+
+
+def _with_schedule(problem: RematProblem, schedule: Schedule, lower: float, status: str, started: float) -> RematResult:
+    peak, cost = simulate(problem, schedule)
+    lower = min(lower, cost)  # float round-off in the scaled objective must not overshoot
+    gap = 0.0 if cost == 0 else max(0.0, (cost - lower) / cost)
+    return RematResult(
+        schedule=schedule,
+        peak=peak,
+        cost=cost,
+        lower_bound=lower,
+        status=status,
+        solve_s=time.monotonic() - started,
+        gap=gap,
+        peak_lower_bound=peak_lower_bound(problem),
+    )
+
+
+def _no_schedule(status: str, peak_lb: int, started: float) -> RematResult:
+    return RematResult(
+        schedule=(),
+        peak=0,
+        cost=math.inf,
+        lower_bound=float(peak_lb),
+        status=status,
+        solve_s=time.monotonic() - started,
+        gap=math.inf,
+        peak_lower_bound=peak_lb,
+    )
+
+
+def _cost_scale(costs: Sequence[float]) -> int:
+    """Integer factor making costs integral for CP-SAT (exact for up to 6 decimals)."""
+    for scale in (1, 10, 100, 1000, 10**4, 10**5, 10**6):
+        if all(abs(c * scale - round(c * scale)) < 1e-9 for c in costs):
+            return scale
+    return 10**6

@@ -1,0 +1,241 @@
+"""From the joint forward+backward graph to the solver's plain ActivationProblem.
+
+Steps are the forward nodes in joint order, then the backward nodes in joint order (the order
+AOTAutograd runs them; recomputed nodes are slotted in just before their first backward reader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from memcompile import _torch_private as tp
+from memcompile.cost_models.device import DeviceProfile
+from memcompile.cost_models.node_cost import estimate_node_time_s
+from memcompile.passes.graph_facts import (
+    effective_reads,
+    inlined_pointwise,
+    is_aliasing_op,
+    is_getitem,
+    is_mutating_op,
+    is_random_op,
+    tensor_nbytes,
+)
+from memcompile.solver.activations import ActivationProblem
+
+NEVER = -1
+
+
+@dataclass(frozen=True)
+class JointAnalysis:
+    """The problem plus what is needed to map decisions back onto the joint graph."""
+
+    problem: ActivationProblem
+    candidates: tuple[fx.Node, ...]
+    primals: tuple[fx.Node, ...]
+    forward_nodes: tuple[fx.Node, ...]
+    backward_nodes: tuple[fx.Node, ...]
+    static_lifetime_inputs: frozenset[fx.Node]
+    cannot_recompute_reason: tuple[str, ...]
+
+
+def _compute_unit(node: fx.Node) -> fx.Node:
+    """The node that actually runs when `node` is recomputed (a getitem's tuple producer)."""
+    return node.args[0] if is_getitem(node) else node
+
+
+def _alias_base(node: fx.Node) -> fx.Node | None:
+    """The node whose storage `node` shares, if it is a view (directly or via a view tuple)."""
+    unit = _compute_unit(node)
+    if is_aliasing_op(unit) and unit.args and isinstance(unit.args[0], fx.Node):
+        return unit.args[0]
+    return None
+
+
+def _recompute_ban(node: fx.Node) -> str:
+    """Why `node` may not be recomputed in backward ('' when it may)."""
+    unit = _compute_unit(node)
+    if unit.op != "call_function":
+        return "not an op"
+    if is_random_op(unit):
+        return "random op (would draw new random numbers)"
+    if is_mutating_op(unit):
+        return "mutates its input"
+    recompute_tag = str(unit.meta.get("recompute", ""))
+    if "MUST_SAVE" in recompute_tag or "PREFER_SAVE" in recompute_tag:
+        return "marked must-save"
+    return ""
+
+
+def analyze_joint_graph(
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int],
+    profile: DeviceProfile,
+    *,
+    fuse_pointwise: bool = False,
+) -> JointAnalysis:
+    required_fw, required_bw, _unclaimed = tp.classify_joint_nodes(
+        joint, num_fwd_outputs, static_lifetime_input_indices
+    )
+    nodes = [n for n in joint.graph.nodes if n.op != "output"]
+    primals = tuple(n for n in nodes if tp.is_primal(n))
+    primal_set = set(primals)
+    placeholders = {n for n in nodes if n.op == "placeholder"}
+    backward_nodes = tuple(n for n in nodes if n in required_bw and n not in placeholders)
+    forward_nodes = tuple(n for n in nodes if n not in required_bw and n not in placeholders)
+    step = {n: i for i, n in enumerate(forward_nodes)}
+    step.update({n: len(forward_nodes) + i for i, n in enumerate(backward_nodes)})
+    num_steps = len(forward_nodes) + len(backward_nodes)
+    last = num_steps - 1
+    fw_set, bw_set = set(forward_nodes), set(backward_nodes)
+
+    out_node = joint.graph.find_nodes(op="output")[0]
+    outputs = list(out_node.args[0])
+    user_outputs = {a for a in outputs[:num_fwd_outputs] if isinstance(a, fx.Node)}
+    grad_outputs = {a for a in outputs[num_fwd_outputs:] if isinstance(a, fx.Node)}
+
+    # Storage roots: aliases count against the storage they view.
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        base = _alias_base(n)
+        root[n] = root.get(base, base) if base is not None else n
+
+    # Candidates: forward tensors the backward reads, and (transitively) what recomputing them reads.
+    def is_tensor(n: fx.Node) -> bool:
+        return isinstance(n.meta.get("val"), torch.Tensor)
+
+    def recompute_inputs(n: fx.Node) -> list[fx.Node]:
+        return [i for i in _compute_unit(n).all_input_nodes if i in fw_set and is_tensor(i)]
+
+    direct = {i for b in backward_nodes for i in b.all_input_nodes if i in fw_set and is_tensor(i)}
+    candidate_set: set[fx.Node] = set()
+    frontier = list(direct)
+    while frontier:
+        n = frontier.pop()
+        if n in candidate_set:
+            continue
+        candidate_set.add(n)
+        frontier.extend(recompute_inputs(n))
+    candidates = [n for n in forward_nodes if n in candidate_set]
+    index = {n: i for i, n in enumerate(candidates)}
+
+    # Pointwise chains Inductor fuses (same phase, never a candidate: those may become outputs).
+    inlined: set[fx.Node] = set()
+    if fuse_pointwise:
+        outputs_set = set(user_outputs) | set(grad_outputs)
+        for phase in (set(backward_nodes), fw_set - candidate_set):
+            phase_nodes = [n for n in nodes if n in phase]
+            inlined |= {n for n in inlined_pointwise(phase_nodes, outputs_set) if next(iter(n.users)) in phase}
+
+    # Storage-level first/last reads, per phase.
+    fw_last_read: dict[fx.Node, int] = {}
+    bw_first_read: dict[fx.Node, int] = {}
+    bw_last_read: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n in inlined:
+            continue
+        for i in effective_reads(n, inlined):
+            r = root[i]
+            if n in fw_set:
+                fw_last_read[r] = max(fw_last_read.get(r, NEVER), step[n])
+            elif n in bw_set:
+                for key in {r, i}:  # the storage and the node itself (views read directly)
+                    bw_last_read[key] = max(bw_last_read.get(key, NEVER), step[n])
+                if i in candidate_set:
+                    bw_first_read[i] = min(bw_first_read.get(i, num_steps), step[n])
+    for o in user_outputs:
+        fw_last_read[root[o]] = last
+
+    fixed = [0] * (num_steps + 1)
+
+    def add(nbytes: int, start: int, end: int) -> None:
+        if nbytes and start <= end:
+            fixed[start] += nbytes
+            fixed[end + 1] -= nbytes
+
+    static_bytes = sum(tensor_nbytes(p.meta.get("val")) for p in primals if root[p] is p)
+    add(static_bytes, 0, last)
+    for n in nodes:
+        if n.op == "placeholder" and tp.is_tangent(n):
+            add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))
+    for n in forward_nodes + backward_nodes:
+        if root[n] is not n or n in inlined:
+            continue  # aliases and fused nodes own no storage
+        if is_getitem(n) is False and isinstance(n.meta.get("val"), (tuple, list)):
+            # Tuple producers: members nobody reads exist only while the op runs.
+            read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}
+            for k, member in enumerate(n.meta["val"]):
+                if k not in read_members:
+                    add(tensor_nbytes(member), step[n], step[n])
+            continue
+        size = tensor_nbytes(n.meta.get("val"))
+        if n in bw_set:
+            end = last if n in grad_outputs else max(bw_last_read.get(n, NEVER), step[n])
+            add(size, step[n], end)
+        elif n not in candidate_set:
+            end = fw_last_read.get(n, NEVER)
+            add(size, step[n], max(end, step[n]))
+
+    names, nbytes, costs, can_keep, can_recompute, bans = [], [], [], [], [], []
+    first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
+    cost_of_unit: dict[fx.Node, float] = {}
+    backward_start = len(forward_nodes)
+    for c in candidates:
+        base = _alias_base(c)
+        own_bytes = 0 if base is not None else tensor_nbytes(c.meta.get("val"))
+        in_forward = c in required_fw
+        fw_end = max(fw_last_read.get(c, NEVER), step[c]) if in_forward else NEVER
+        if in_forward and own_bytes:
+            add(own_bytes, step[c], fw_end)  # forward lifetime: the same whatever we decide
+        unit = _compute_unit(c)
+        if unit not in cost_of_unit:
+            # Unclaimed nodes (forward values only the backward reads) run once either way:
+            # computing them in backward is not a re-computation.
+            cost_of_unit[unit] = estimate_node_time_s(unit, profile) if in_forward else 0.0
+        ban = _recompute_ban(c)
+        names.append(c.name)
+        nbytes.append(own_bytes)
+        costs.append(cost_of_unit[unit])
+        # Keeping a view of an activation would pin its base: recompute the (free) view instead.
+        # Keeping an unclaimed node would run it (and its inputs' lifetimes) at the end of
+        # forward, which the model does not describe: compute it in backward instead.
+        can_keep.append((base is None or root[c] in primal_set) and (in_forward or ban != ""))
+        can_recompute.append(ban == "")
+        bans.append(ban)
+        first_read.append(bw_first_read.get(c, num_steps))
+        last_read.append(bw_last_read.get(c, NEVER))
+        keep_from.append(fw_end + 1 if in_forward else step[c])
+        recompute_from.append(max(backward_start, fw_end + 1))
+        reads.append(tuple(sorted({index[i] for i in recompute_inputs(c)})))
+        view_of.append(index[base] if base in index else -1)
+
+    running, fixed_bytes = 0, []
+    for t in range(num_steps):
+        running += fixed[t]
+        fixed_bytes.append(running)
+    problem = ActivationProblem(
+        names=tuple(names),
+        nbytes=tuple(nbytes),
+        recompute_cost_s=tuple(costs),
+        can_keep=tuple(can_keep),
+        can_recompute=tuple(can_recompute),
+        first_read=tuple(first_read),
+        last_read=tuple(last_read),
+        keep_from=tuple(keep_from),
+        recompute_from=tuple(recompute_from),
+        recompute_reads=tuple(reads),
+        view_of=tuple(view_of),
+        fixed_bytes=tuple(fixed_bytes),
+    )
+    return JointAnalysis(
+        problem=problem,
+        candidates=tuple(candidates),
+        primals=primals,
+        forward_nodes=forward_nodes,
+        backward_nodes=backward_nodes,
+        static_lifetime_inputs=frozenset(tp.static_lifetime_nodes(joint, static_lifetime_input_indices)),
+        cannot_recompute_reason=tuple(bans),
+    )

@@ -1,0 +1,78 @@
+"""Small facts about FX nodes that several passes and cost models read."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+
+def tensor_nbytes(value: object) -> int:
+    """Bytes of a tensor (or of the tensors in a tuple/list); symbolic sizes use their hint."""
+    if isinstance(value, torch.Tensor):
+        numel = value.numel()
+        if isinstance(numel, torch.SymInt):  # plan for the size it was traced at
+            numel = numel.node.hint if numel.node.hint is not None else 4096
+        return int(numel) * value.dtype.itemsize
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_nbytes(v) for v in value)
+    return 0
+
+
+def is_aliasing_op(node: fx.Node) -> bool:
+    """True when the op's first output shares storage with its first input (views, in-place writes)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns:
+        return False
+    return schema.returns[0].alias_info is not None
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_random_op(node: fx.Node) -> bool:
+    """Ops whose result depends on the RNG state: recomputing them would change the values."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def is_mutating_op(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def inlined_pointwise(nodes: list[fx.Node], materialized: set[fx.Node]) -> set[fx.Node]:
+    """Pointwise nodes Inductor fuses into their only consumer, so their result is never a buffer.
+
+    A deliberately narrow rule (one user, itself pointwise, not a graph output): where Inductor
+    fuses more, we over-estimate memory, never under-estimate it.
+    """
+    inlined = set()
+    for n in nodes:
+        if n in materialized or not is_pointwise(n) or len(n.users) != 1:
+            continue
+        (user,) = n.users
+        if is_pointwise(user):
+            inlined.add(n)
+    return inlined
+
+
+def effective_reads(node: fx.Node, inlined: set[fx.Node]) -> list[fx.Node]:
+    """The buffers `node` reads once inlined producers are fused into it."""
+    out, stack, seen = [], list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in inlined:
+            stack.extend(n.all_input_nodes)
+        else:
+            out.append(n)
+    return out
