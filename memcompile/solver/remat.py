@@ -325,13 +325,16 @@ def _stage_loads(problem: RematProblem, intervals: Iterable[_Interval], horizon:
 # ------------------------------------------------------------------------------ greedy plan
 
 
-def _greedy_computes(problem: RematProblem, grid: _Grid, capacity: int, deadline: float) -> list[list[int]] | None:
+def _greedy_computes(
+    problem: RematProblem, grid: _Grid, capacity: int, deadline: float, thorough: bool
+) -> list[list[int]] | None:
     """Repair the no-recompute plan until every stage fits `capacity` (bytes, static excluded).
 
     Visiting stages from the most loaded down, free a tensor that is idle there and recompute it
     at its next use; pick the split with the least cost per byte-stage of overflow removed (inputs
     that must then live until the recomputation are charged). Returns compute stages per node, or
-    None if no split reduces the overflow.
+    None if no split reduces the overflow. `thorough=False` only looks at the most loaded stage
+    and at bytes saved there: much faster on large graphs, but it gets stuck more often.
     """
     computes = [[grid.first(v)] for v in range(problem.n)]
     while time.monotonic() < deadline:
@@ -340,7 +343,10 @@ def _greedy_computes(problem: RematProblem, grid: _Grid, capacity: int, deadline
         overloaded = sorted((t for t in range(grid.horizon) if loads[t] > capacity), key=lambda t: -loads[t])
         if not overloaded:
             return computes
-        split = _first_useful_split(problem, grid, computes, intervals, loads, capacity, overloaded)
+        if thorough:
+            split = _first_useful_split(problem, grid, computes, intervals, loads, capacity, overloaded)
+        else:
+            split = _best_split_at(problem, grid, computes, intervals, overloaded[0])
         if split is None:
             return None
         v, stage = split
@@ -361,7 +367,7 @@ def _first_useful_split(
     by_node: dict[int, list[_Interval]] = {}
     for iv in intervals:
         by_node.setdefault(iv.node, []).append(iv)
-    for t in overloaded[:20]:  # the worst stages first; a few suffice to find progress
+    for t in overloaded[:5]:  # the worst stages first; a few suffice to find progress
         best: tuple[float, int, int] | None = None
         for iv in intervals:
             v = iv.node
@@ -370,7 +376,7 @@ def _first_useful_split(
             next_use = min(s for s in uses[v] if s > t)
             last_use = max([s for s in uses[v] if iv.start <= s < t], default=iv.start)
             # Recomputing a little before the next use can keep the inputs off that (busy) stage.
-            for redo in range(next_use, max(t, next_use - 4), -1):
+            for redo in range(next_use, max(t, next_use - 2), -1):
                 removed = _overflow_removed(problem, by_node, computes, loads, capacity, v, last_use, redo)
                 if removed > 0:
                     score = problem.cost[v] / removed
@@ -379,6 +385,31 @@ def _first_useful_split(
         if best is not None:
             return best[1], best[2]
     return None
+
+
+def _best_split_at(
+    problem: RematProblem, grid: _Grid, computes: list[list[int]], intervals: list[_Interval], t: int
+) -> tuple[int, int] | None:
+    """Cheapest split per byte saved at stage t (inputs dragged onto stage t are charged)."""
+    uses = _use_stages(problem, computes)
+    by_node: dict[int, list[_Interval]] = {}
+    for iv in intervals:
+        by_node.setdefault(iv.node, []).append(iv)
+    best: tuple[float, int, int] | None = None
+    for iv in intervals:
+        v = iv.node
+        if not (iv.start < t < iv.end) or t in uses[v] or len(computes[v]) >= grid.max_computations[v]:
+            continue
+        next_use = min(s for s in uses[v] if s > t)
+        dragged = 0
+        for u in problem.preds[v]:
+            inp = by_node[u][bisect.bisect_right(computes[u], next_use) - 1]
+            if inp.end < t <= next_use and inp.start <= t:
+                dragged += problem.size[u]
+        saved = problem.size[v] - dragged
+        if saved > 0 and (best is None or (problem.cost[v] / saved, v) < (best[0], best[1])):
+            best = (problem.cost[v] / saved, v, next_use)
+    return None if best is None else (best[1], best[2])
 
 
 def _use_stages(problem: RematProblem, computes: list[list[int]]) -> list[set[int]]:
@@ -642,10 +673,12 @@ def _grid_with_greedy_plan(
     Tight budgets on wide graphs need a third computation of some nodes; C=3 costs a larger
     model, so it is used only when the greedy cannot fit the budget with C=2.
     """
-    choices = [max_computations] if max_computations else [None, 3]
-    for c in choices:
+    cs = [max_computations] if max_computations else [None, 3]
+    choices = [(c, thorough) for c in cs for thorough in (False, True)]
+    for i, (c, thorough) in enumerate(choices):
         grid = _make_grid(problem, substeps, c)
-        greedy = _greedy_computes(problem, grid, capacity, deadline)
+        share = (deadline - time.monotonic()) / (len(choices) - i)  # leave time for the next try
+        greedy = _greedy_computes(problem, grid, capacity, time.monotonic() + share, thorough)
         if greedy is not None:
             break
     return grid, greedy

@@ -1,0 +1,113 @@
+"""Rematerialization solver on the published benchmark graphs (Checkmate, Moccasin).
+
+    python benchmarks/remat_graphs.py --graph FILE --budget-fraction 0.8 [--time-limit 30] [--json]
+    python benchmarks/remat_graphs.py            # every shared graph at 0.9 / 0.8 / 0.7
+
+Budget = ceil(fraction * baseline peak), where the baseline runs the graph in its topological order
+and frees every tensor right after its last use. The graphs are read from the shared data folder
+and never copied into the repository; the sweep is skipped when the folder is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from memcompile.solver.remat import (
+    RematResult,
+    baseline_schedule,
+    load_networkx,
+    problem_from_networkx,
+    simulate,
+    solve_remat,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "remat_graphs"
+RESULTS = Path(__file__).resolve().parent / "results"
+FRACTIONS = (0.9, 0.8, 0.7)
+
+
+def run_one(path: Path, fraction: float, time_limit_s: float) -> dict:
+    graph = load_networkx(path)
+    problem = problem_from_networkx(graph)
+    original_id = {str(v): v for v in graph.nodes}  # node ids exactly as in the JSON file
+    baseline_peak, baseline_cost = simulate(problem, baseline_schedule(problem))
+    budget = math.ceil(fraction * baseline_peak)
+    result = solve_remat(problem, budget, time_limit_s=time_limit_s)
+    return {
+        "graph": path.name,
+        "n": problem.n,
+        "budget_fraction": fraction,
+        "budget": budget,
+        "baseline_peak": baseline_peak,
+        "baseline_cost": baseline_cost,
+        "peak": result.peak if result.has_schedule else None,
+        "cost": result.cost if result.has_schedule else None,
+        "lower_bound": result.lower_bound,
+        "gap": result.gap if result.has_schedule else None,
+        "solve_s": round(result.solve_s, 3),
+        "status": result.status,
+        "schedule": _schedule_with_ids(result, problem.names, original_id),
+    }
+
+
+def _schedule_with_ids(result: RematResult, names: tuple[str, ...], original_id: dict) -> list:
+    return [[kind, original_id[names[v]]] for kind, v in result.schedule]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| graph | n | f | budget | peak | cost overhead | lower bound | gap | solve_s | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        has = r["cost"] is not None
+        overhead = f"{r['cost'] / r['baseline_cost'] - 1:.2%}" if has else "-"
+        gap = f"{r['gap']:.2%}" if has else "-"
+        bound = f"cost >= {r['lower_bound']:.6g}" if has else f"peak >= {r['lower_bound']:.6g}"
+        lines.append(
+            f"| {r['graph']} | {r['n']} | {r['budget_fraction']} | {r['budget']} | {r['peak'] or '-'} | "
+            f"{overhead} | {bound} | {gap} | {r['solve_s']:.2f} | {r['status']} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep(time_limit_s: float) -> int:
+    graphs = sorted(DATA.glob("*.json")) if DATA.is_dir() else []
+    if not graphs:
+        print(f"skipped: no benchmark graphs under {DATA}")
+        return 0
+    rows = []
+    for path in graphs:
+        for fraction in FRACTIONS:
+            row = run_one(path, fraction, time_limit_s)
+            print(f"{row['graph']} f={fraction}: {row['status']} in {row['solve_s']:.2f}s", file=sys.stderr)
+            rows.append(row)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "remat_graphs.json").write_text(json.dumps(rows, indent=1) + "\n")
+    table = markdown_table(rows)
+    (RESULTS / "remat_graphs.md").write_text(
+        f"Rematerialization benchmark (time limit {time_limit_s:g}s per solve)\n\n{table}\n"
+    )
+    print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--graph", type=Path, help="node-link JSON graph; omit to sweep all shared graphs")
+    parser.add_argument("--budget-fraction", type=float, default=0.8)
+    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    parser.add_argument("--json", action="store_true", help="print JSON (the default for --graph)")
+    args = parser.parse_args(argv)
+    if args.graph is None:
+        return sweep(args.time_limit)
+    print(json.dumps(run_one(args.graph, args.budget_fraction, args.time_limit)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""Rematerialization solver: checked against an independent replay and an exhaustive search.
+
+Nothing here imports `simulate`: the checker below re-implements the semantics from the issue so
+that a bug shared by the solver and its own checker cannot hide.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from pathlib import Path
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from memcompile.solver import RematProblem, load_graph, solve_remat
+from memcompile.solver.remat import baseline_schedule, peak_lower_bound, problem_from_networkx
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "remat_graphs"
+NO_SCHEDULE = {"infeasible", "infeasible_in_model", "no_schedule"}
+
+
+# ------------------------------------------------------------------ independent semantics
+
+
+def replay(p: RematProblem, schedule) -> tuple[int, float]:
+    """Independent checker: returns (peak, cost) or fails the test."""
+    resident: set[int] = set()
+    seen: list[int] = []  # nodes in order of first computation
+    peak = p.static_bytes
+    cost = 0.0
+    for kind, v in schedule:
+        assert kind in ("compute", "free"), kind
+        if kind == "free":
+            assert v in resident, f"free of non-resident {v}"
+            resident.remove(v)
+            continue
+        assert v not in resident, f"compute of resident {v}"
+        if v in seen:
+            assert p.recomputable[v], f"recompute of pinned {v}"
+        else:
+            assert v == len(seen), f"first computation of {v} out of order"
+            seen.append(v)
+        assert set(p.preds[v]) <= resident, f"{v} computed without its inputs"
+        peak = max(peak, p.static_bytes + sum(p.size[u] for u in resident) + p.size[v])
+        resident.add(v)
+        cost += p.cost[v]
+    assert len(seen) == p.n, "not every node computed"
+    return peak, cost
+
+
+def brute_force_min_cost(p: RematProblem, budget: int) -> float | None:
+    """Dijkstra over (next new node, resident set); None when no schedule fits the budget."""
+    full = p.n
+    start = (0, 0)
+    best = {start: 0.0}
+    heap = [(0.0, 0, 0)]
+    while heap:
+        cost, k, resident = heapq.heappop(heap)
+        if best.get((k, resident), math.inf) < cost:
+            continue
+        if k == full:
+            return cost
+        load = p.static_bytes + sum(p.size[u] for u in range(p.n) if resident >> u & 1)
+        moves = [(cost, k, resident & ~(1 << u)) for u in range(p.n) if resident >> u & 1]
+        for v in range(k + 1):
+            if resident >> v & 1 or (v < k and not p.recomputable[v]):
+                continue
+            if any(not resident >> u & 1 for u in p.preds[v]) or load + p.size[v] > budget:
+                continue
+            moves.append((cost + p.cost[v], k + 1 if v == k else k, resident | 1 << v))
+        for c, nk, nr in moves:
+            if c < best.get((nk, nr), math.inf):
+                best[(nk, nr)] = c
+                heapq.heappush(heap, (c, nk, nr))
+    return None
+
+
+def brute_force_min_peak(p: RematProblem, upper: int) -> int:
+    low = max(p.size) + p.static_bytes
+    while low < upper and brute_force_min_cost(p, low) is None:
+        low += 1
+    return low
+
+
+@st.composite
+def dags(draw, min_n: int = 1, max_n: int = 6, pinned: bool = False) -> RematProblem:
+    n = draw(st.integers(min_n, max_n))
+    chain = draw(st.booleans())  # chains with skip edges are where recomputation pays
+    preds = []
+    for v in range(n):
+        earlier = list(range(v))
+        chosen = set(draw(st.lists(st.sampled_from(earlier), unique=True, max_size=3))) if earlier else set()
+        if chain and v > 0:
+            chosen.add(v - 1)
+        preds.append(tuple(sorted(chosen)))
+    size = tuple(draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)))
+    cost = tuple(draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)))
+    recomputable = tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))) if pinned else None
+    static = draw(st.integers(0, 3)) if pinned else 0
+    return RematProblem(tuple(f"n{i}" for i in range(n)), tuple(preds), cost, size, recomputable, static)
+
+
+@st.composite
+def skip_chains(draw, max_n: int = 6) -> RematProblem:
+    """A chain plus long skip edges: idle tensors across a peak, where recomputation pays."""
+    n = draw(st.integers(4, max_n))
+    preds = [set() if v == 0 else {v - 1} for v in range(n)]
+    for _ in range(draw(st.integers(1, 3))):
+        src = draw(st.integers(0, n - 3))
+        preds[draw(st.integers(src + 2, n - 1))].add(src)
+    size = tuple(draw(st.lists(st.integers(1, 9), min_size=n, max_size=n)))
+    cost = tuple(draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)))
+    names = tuple(f"n{i}" for i in range(n))
+    return RematProblem(names, tuple(tuple(sorted(ps)) for ps in preds), cost, size)
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(dags(pinned=True), skip_chains()), data=st.data())
+def test_tiny_dags_match_brute_force(p: RematProblem, data) -> None:
+    p0, _ = replay(p, baseline_schedule(p))
+    min_peak = brute_force_min_peak(p, p0)
+    too_small = data.draw(st.integers(0, 9)) == 0
+    budget = min_peak - 1 if too_small else data.draw(st.integers(min_peak, p0), label="budget")
+    optimum = brute_force_min_cost(p, budget)
+    result = solve_remat(p, budget, time_limit_s=10)
+    event("no schedule" if optimum is None else "recomputes" if optimum > sum(p.cost) else "no recompute")
+    if optimum is None:
+        assert result.status in NO_SCHEDULE and not result.schedule
+        return
+    assert result.status == "optimal", result
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and (peak, cost) == (result.peak, result.cost)
+    assert cost == pytest.approx(optimum)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=skip_chains())
+def test_skip_chains_at_their_min_peak_match_brute_force(p: RematProblem) -> None:
+    p0, _ = replay(p, baseline_schedule(p))
+    budget = brute_force_min_peak(p, p0)  # the tightest budget: recomputation is most needed
+    optimum = brute_force_min_cost(p, budget)
+    event("recomputes" if optimum > sum(p.cost) else "no recompute")
+    result = solve_remat(p, budget, time_limit_s=10)
+    assert result.status == "optimal", result
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and cost == pytest.approx(optimum)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=dags(min_n=7, max_n=30), data=st.data())
+def test_random_dags_give_valid_schedules_within_budget(p: RematProblem, data) -> None:
+    p0, c0 = replay(p, baseline_schedule(p))
+    low = min(peak_lower_bound(p), p0)
+    budget = data.draw(st.integers(low, p0), label="budget")
+    result = solve_remat(p, budget, time_limit_s=3)
+    if not result.schedule:
+        assert result.status in NO_SCHEDULE
+        return
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget
+    assert (peak, cost) == (result.peak, result.cost)
+    assert c0 - 1e-9 <= result.lower_bound <= cost + 1e-9
+    assert 0.0 <= result.gap <= 1.0
+
+
+@given(p=dags(max_n=8))
+@settings(max_examples=30, deadline=None)
+def test_baseline_is_valid_and_full_budget_needs_no_recompute(p: RematProblem) -> None:
+    p0, c0 = replay(p, baseline_schedule(p))
+    result = solve_remat(p, p0, time_limit_s=5)
+    assert result.status == "optimal" and result.cost == c0 and result.peak <= p0
+
+
+@given(p=dags(max_n=8))
+@settings(max_examples=30, deadline=None)
+def test_budget_below_proven_bound_is_infeasible(p: RematProblem) -> None:
+    bound = peak_lower_bound(p)
+    result = solve_remat(p, bound - 1, time_limit_s=5)
+    assert result.status == "infeasible" and not result.schedule
+    assert result.lower_bound == bound > bound - 1
+    assert brute_force_min_cost(p, bound - 1) is None  # the bound really is a bound
+
+
+# ------------------------------------------------------------------------------- examples
+
+
+def chain_with_skip() -> RematProblem:
+    # a -> b -> c -> d -> e, and a -> e: keeping the big `a` alive across the chain costs memory.
+    names = ("a", "b", "c", "d", "e")
+    return RematProblem(names, ((), (0,), (1,), (2,), (0, 3)), (5, 1, 1, 1, 1), (10, 1, 8, 1, 1))
+
+
+def test_recomputation_is_used_when_it_pays() -> None:
+    p = chain_with_skip()
+    p0, c0 = replay(p, baseline_schedule(p))
+    assert (p0, c0) == (19, 9)  # computing c with a and b resident
+    result = solve_remat(p, 12, time_limit_s=5)  # a must be freed after b and recomputed for e
+    assert result.status == "optimal"
+    assert replay(p, result.schedule) == (result.peak, 14)
+    assert result.peak <= 12
+
+
+def test_pinned_node_is_never_recomputed() -> None:
+    p = chain_with_skip()
+    pinned = RematProblem(p.names, p.preds, p.cost, p.size, (False, True, True, True, True))
+    result = solve_remat(pinned, 12, time_limit_s=5)
+    assert not result.schedule and result.status in NO_SCHEDULE
+
+
+def test_static_bytes_count_against_the_budget() -> None:
+    p = chain_with_skip()
+    with_static = RematProblem(p.names, p.preds, p.cost, p.size, static_bytes=100)
+    assert solve_remat(with_static, 119, time_limit_s=5).cost == 9
+    assert solve_remat(with_static, 112, time_limit_s=5).cost == 14
+    assert solve_remat(with_static, 111, time_limit_s=5).status == "infeasible"
+
+
+def test_emitted_schedule_events_are_plain_tuples() -> None:
+    result = solve_remat(chain_with_skip(), 12, time_limit_s=5)
+    assert all(kind in ("compute", "free") and isinstance(v, int) for kind, v in result.schedule)
+
+
+# ------------------------------------------------------------------------ format detection
+
+
+def _write(path: Path, payload: dict) -> Path:
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_checkmate_format_detected_from_content(tmp_path: Path) -> None:
+    payload = {
+        "directed": True,
+        "multigraph": False,
+        "graph": {"name": "x"},
+        "nodes": [
+            {"id": 0, "name": "in", "cost_cpu": 3, "cost_ram": 8, "backward": False},
+            {"id": 1, "name": "mid", "cost_cpu": 4, "cost_ram": 16, "backward": False},
+            {"id": 2, "name": "out", "cost_cpu": 5, "cost_ram": 4, "backward": True},
+        ],
+        "links": [{"source": 0, "target": 1}, {"source": 1, "target": 2}, {"source": 0, "target": 2}],
+    }
+    p = load_graph(_write(tmp_path / "random_layered_looks_like.json", payload))  # name misleads
+    assert p.names == ("0", "1", "2")
+    assert p.preds == ((), (0,), (0, 1))
+    assert p.cost == (3, 4, 5) and p.size == (8, 16, 4)
+
+
+def test_moccasin_format_detected_from_content_and_order_respected(tmp_path: Path) -> None:
+    payload = {
+        "directed": True,
+        "multigraph": False,
+        "graph": {"order": [0, 2, 1, 3]},
+        "nodes": [
+            {"name": 0, "duration": 0, "out_cost": 5, "param_cost": 0},
+            {"name": 1, "duration": 7, "out_cost": 6, "param_cost": 0},
+            {"name": 2, "duration": 8, "out_cost": 7, "param_cost": 0},
+            {"name": 3, "duration": 0, "out_cost": 9, "param_cost": 0},
+        ],
+        "links": [{"0": 0, "1": 1}, {"0": 0, "1": 2}, {"0": 1, "1": 3}, {"0": 2, "1": 3}],
+    }
+    p = load_graph(_write(tmp_path / "checkmate_vgg.json", payload))
+    assert p.names == ("0", "2", "1", "3")  # the stored order, not the node-id order
+    assert p.preds == ((), (0,), (0,), (1, 2))
+    assert p.cost == (0, 8, 7, 0) and p.size == (5, 7, 6, 9)
+
+
+def test_unknown_attributes_rejected() -> None:
+    g = nx.DiGraph()
+    g.add_node(0, flops=1, bytes=2)
+    with pytest.raises(ValueError):
+        problem_from_networkx(g)
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark graphs not present")
+def test_shared_vgg16_graph_at_90_percent() -> None:
+    p = load_graph(SHARED / "checkmate_vgg16_b256_train.json")
+    p0, c0 = replay(p, baseline_schedule(p))
+    budget = math.ceil(0.9 * p0)
+    result = solve_remat(p, budget, time_limit_s=10)
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and cost >= c0 and result.status in ("optimal", "feasible")
