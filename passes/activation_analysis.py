@@ -23,6 +23,7 @@ from memcompile.passes.graph_facts import (
     is_random_op,
     tensor_nbytes,
 )
+from memcompile.passes.liveness import OP_SCRATCH_BYTES
 from memcompile.solver.activations import ActivationProblem
 
 NEVER = -1
@@ -157,7 +158,7 @@ def analyze_joint_graph(
             fixed[end + 1] -= nbytes
 
     static_bytes = sum(tensor_nbytes(p.meta.get("val")) for p in primals if root[p] is p)
-    add(static_bytes, 0, last)
+    add(static_bytes + OP_SCRATCH_BYTES, 0, last)
     for n in nodes:
         if n.op == "placeholder" and tp.is_tangent(n):
             add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))

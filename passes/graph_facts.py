@@ -76,3 +76,31 @@ def effective_reads(node: fx.Node, inlined: set[fx.Node]) -> list[fx.Node]:
         else:
             out.append(n)
     return out
+
+
+def _needs_dense_input(node: fx.Node) -> bool:
+    """Ops that run as library kernels (matmul, convolution, ...) rather than generated loops."""
+    return (node.op == "call_function" and not is_pointwise(node) and not is_aliasing_op(node)
+            and not is_getitem(node) and node.target is not operator.getitem)
+
+
+def _is_strided_view(value: object) -> bool:
+    """A view a library kernel cannot read in place: neither contiguous nor a transpose of it."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return False
+    if value.is_contiguous() or value.transpose(-1, -2).is_contiguous():
+        return False
+    return True
+
+
+def layout_copy_bytes(node: fx.Node) -> int:
+    """Bytes of the dense copies a library kernel makes of strided-view inputs while it runs."""
+    if not _needs_dense_input(node):
+        return 0
+    total = 0
+    for inp in node.all_input_nodes:
+        if is_aliasing_op(inp) or is_getitem(inp):
+            value = inp.meta.get("val")
+            if _is_strided_view(value):
+                total += tensor_nbytes(value)
+    return total

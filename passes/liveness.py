@@ -17,11 +17,16 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.passes.graph_facts import (
     effective_reads,
+    layout_copy_bytes,
     inlined_pointwise,
     is_aliasing_op,
     is_getitem,
     tensor_nbytes,
 )
+
+# Bytes an op may allocate and free inside itself (wrapped Python scalars, small workspaces) that
+# no graph node shows; counted at every step so tiny graphs keep their budget too.
+OP_SCRATCH_BYTES = 1024
 
 # Categories a storage is counted under, for the plan's breakdown.
 STATIC = "parameters_and_inputs"
@@ -124,12 +129,13 @@ def analyze_liveness(
         return sum(s.nbytes for s in live.values())
 
     def record(phase: str, node: fx.Node) -> None:
-        total = live_total()
+        total = live_total() + OP_SCRATCH_BYTES + layout_copy_bytes(node)
         steps.append(LiveStep(phase, node.name, total))
         if total > peak["bytes"]:
             by_category: dict[str, int] = {}
             for s in live.values():
                 by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
+            by_category["op_scratch"] = OP_SCRATCH_BYTES
             peak["bytes"] = total
             peak["breakdown"] = tuple(sorted(by_category.items()))
 

@@ -88,22 +88,33 @@ class ActivationSolution:
         return max(0.0, (self.added_time_s - self.lower_bound_s) / self.added_time_s)
 
 
-def live_spans(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> dict[int, tuple[int, int]]:
-    """Extra live step range of each chosen candidate, recomputation placed as late as possible."""
+def placement(problem: ActivationProblem, recompute: frozenset[int]) -> tuple[list[int], list[int]]:
+    """Tightest (start, end) step of every candidate given what is recomputed: a recomputed
+    tensor starts just before its first reader (direct, or a recomputed candidate reading it)
+    and ends at its last one. Defined for all candidates so it can seed the solver too."""
     readers = problem.readers()
-    start: dict[int, int] = {}
-    end: dict[int, int] = {}
+    last = problem.num_steps - 1
+    start = [0] * len(problem.names)
+    end = [0] * len(problem.names)
     for i in reversed(range(len(problem.names))):  # readers come after what they read
-        if i not in keep and i not in recompute:
-            continue
         s, e = problem.first_read[i], problem.last_read[i]
         for c in readers[i]:
             if c in recompute:
                 s = min(s, start[c])
                 e = max(e, end[c] if problem.view_of[c] == i else start[c])
-        start[i] = max(s, problem.recompute_from[i])
-        end[i] = e
-    return {i: ((problem.keep_from[i] if i in keep else start[i]), end[i]) for i in start}
+        start[i] = min(max(s, problem.recompute_from[i]), last)
+        end[i] = min(e, last)
+    return start, end
+
+
+def live_spans(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> dict[int, tuple[int, int]]:
+    """Extra live step range of each chosen candidate, recomputation placed as late as possible."""
+    start, end = placement(problem, recompute)
+    spans = {i: (problem.keep_from[i], end[i]) for i in keep}
+    # A recompute that could only start after the end (forward lifetime covers it) adds nothing.
+    spans.update({i: ((start[i], end[i]) if problem.recompute_from[i] < problem.num_steps else (1, 0))
+                  for i in recompute})
+    return spans
 
 
 def evaluate(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> tuple[int, float]:
@@ -166,34 +177,30 @@ def _peak_step(problem: ActivationProblem, spans: dict[int, tuple[int, int]]) ->
 
 
 def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozenset[int], frozenset[int]]:
-    """Start from keeping everything; while the peak is over budget, switch to recompute the kept
-    tensor live at the peak step with the best bytes-freed-per-second ratio. A valid plan always
-    (over budget only when no single switch helps any more)."""
+    """Start from keeping everything; while the peak is over budget, recompute the kept tensor
+    live at the peak step with the most bytes per second of recompute. Always a consistent plan;
+    returns the first under budget, else the one with the least peak seen."""
     prefer: set[int] = set()
     plan = close_decisions(problem, prefer)
-    while True:
+    best_plan, best_peak = plan, None
+    for _ in range(len(problem.names) + 1):
         spans = live_spans(problem, *plan)
         t, peak = _peak_step(problem, spans)
+        if best_peak is None or peak < best_peak:
+            best_plan, best_peak = plan, peak
         if peak <= budget_bytes:
             return plan
-        best, best_score = None, 0.0
-        for i in plan[0]:
-            a, b = spans[i]
-            if not (a <= t <= b) or not problem.can_recompute[i] or problem.nbytes[i] == 0:
-                continue
-            trial = close_decisions(problem, prefer | {i})
-            trial_peak = _peak_step(problem, live_spans(problem, *trial))[1]
-            freed = peak - trial_peak
-            if freed <= 0:
-                continue
-            extra = sum(problem.recompute_cost_s[j] for j in trial[1]) - sum(problem.recompute_cost_s[j] for j in plan[1])
-            score = freed / (extra + 1e-9)
-            if score > best_score:
-                best, best_score = i, score
-        if best is None:
-            return plan
-        prefer.add(best)
+        options = [
+            i for i in plan[0]
+            if problem.can_recompute[i] and problem.nbytes[i] > 0 and i not in prefer
+            and spans[i][0] <= t <= spans[i][1]
+        ]
+        if not options:
+            break
+        pick = max(options, key=lambda i: (problem.nbytes[i] / (problem.recompute_cost_s[i] + 1e-9), -i))
+        prefer.add(pick)
         plan = close_decisions(problem, prefer)
+    return best_plan
 
 
 def _fixed_segments(fixed: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -230,9 +237,9 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None):
             for c in readers[i]:
                 model.Add(keep[i] + recompute[i] >= recompute[c])
         if problem.recompute_from[i] <= last:
-            model.Add(start[i] >= problem.recompute_from[i])
+            model.Add(start[i] >= problem.recompute_from[i]).OnlyEnforceIf(recompute[i])
         if problem.first_read[i] < horizon:
-            model.Add(start[i] <= problem.first_read[i])
+            model.Add(start[i] <= problem.first_read[i]).OnlyEnforceIf(recompute[i])
         model.Add(end[i] >= problem.last_read[i])
         for c in readers[i]:
             model.Add(start[i] <= start[c]).OnlyEnforceIf(recompute[c])
@@ -261,7 +268,7 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None):
         capacity = budget_bytes
         model.Minimize(sum((int(round(problem.recompute_cost_s[i] / _TIME_UNIT_S)) + 1) * recompute[i] for i in range(n)))
     model.AddCumulative(intervals, demands, capacity)
-    return model, keep, recompute
+    return model, keep, recompute, start, end
 
 
 def _decisions_from(outcome, keep, recompute) -> tuple[frozenset[int], frozenset[int]]:
@@ -279,11 +286,14 @@ def solve_activation_plan(
         return ActivationSolution(frozenset(), frozenset(), max(problem.fixed_bytes), 0.0, "infeasible", 0.0, 0.0)
     greedy = greedy_plan(problem, budget_bytes)
     greedy_peak, greedy_added = evaluate(problem, *greedy)
-    model, keep, recompute = _build_model(problem, budget_bytes)
-    if greedy_peak <= budget_bytes:  # warm start from a feasible plan
+    model, keep, recompute, start, end = _build_model(problem, budget_bytes)
+    if greedy_peak <= budget_bytes:  # warm start from a complete, feasible assignment
+        hint_start, hint_end = placement(problem, greedy[1])
         for i in range(len(problem.names)):
             model.AddHint(keep[i], i in greedy[0])
             model.AddHint(recompute[i], i in greedy[1])
+            model.AddHint(start[i], hint_start[i])
+            model.AddHint(end[i], hint_end[i])
     outcome = run_model(model, time_limit_s=time_limit_s, workers=workers, seed=seed)
     if outcome.has_solution:
         chosen = _decisions_from(outcome, keep, recompute)
@@ -300,8 +310,11 @@ def solve_activation_plan(
 def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, workers: int = 2, seed: int = 0) -> ActivationSolution:
     """The decisions with the least modelled peak: the smallest budget this model can meet."""
     began = time.perf_counter()
-    model, keep, recompute = _build_model(problem, None)
-    outcome = run_model(model, time_limit_s=time_limit_s, workers=workers, seed=seed)
+    model, keep, recompute, _start, _end = _build_model(problem, None)
+    # One worker and a deterministic-time limit: the smallest budget we report must be the one
+    # a later compile at exactly that budget finds again.
+    outcome = run_model(model, time_limit_s=2 * time_limit_s, workers=1, seed=seed,
+                        extra_params={"max_deterministic_time": time_limit_s})
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
     options = [frugal, greedy_plan(problem, 0)] + ([_decisions_from(outcome, keep, recompute)] if outcome.has_solution else [])
     best = min(options, key=lambda d: evaluate(problem, *d))

@@ -1,0 +1,116 @@
+"""The compiler's keep/recompute solver on plain problems (no torch): validity and optimality."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from memcompile.solver.activations import (
+    ActivationProblem,
+    close_decisions,
+    evaluate,
+    greedy_plan,
+    is_consistent,
+    solve_activation_plan,
+    solve_min_peak,
+)
+
+
+@st.composite
+def problems(draw, max_candidates=6):
+    """Random chains/trees of forward tensors read by a random backward."""
+    n = draw(st.integers(1, max_candidates))
+    fw_steps = n + draw(st.integers(0, 3))
+    bw_steps = draw(st.integers(1, 8))
+    steps = fw_steps + bw_steps
+    reads, nbytes, first, last, keep_from, recompute_from, can_keep, can_recompute, costs, view_of = ([] for _ in range(10))
+    for i in range(n):
+        reads.append(tuple(sorted(draw(st.sets(st.integers(0, i - 1), max_size=2))) if i else ()))
+        nbytes.append(draw(st.integers(0, 1000)))
+        direct = draw(st.booleans()) or i == n - 1
+        if direct:
+            a = draw(st.integers(fw_steps, steps - 1))
+            b = draw(st.integers(a, steps - 1))
+        else:
+            a, b = steps, -1
+        first.append(a)
+        last.append(b)
+        fw_end = draw(st.integers(i, fw_steps - 1))
+        keep_from.append(fw_end + 1)
+        recompute_from.append(max(fw_steps, fw_end + 1))
+        keepable = draw(st.booleans())
+        can_keep.append(keepable)
+        can_recompute.append(draw(st.booleans()) or not keepable)  # at least one way to have it
+        costs.append(draw(st.floats(0.0, 1e-3)))
+        view_of.append(-1)
+    fixed = tuple(draw(st.integers(0, 500)) for _ in range(steps))
+    return ActivationProblem(
+        names=tuple(f"t{i}" for i in range(n)), nbytes=tuple(nbytes), recompute_cost_s=tuple(costs),
+        can_keep=tuple(can_keep), can_recompute=tuple(can_recompute), first_read=tuple(first),
+        last_read=tuple(last), keep_from=tuple(keep_from), recompute_from=tuple(recompute_from),
+        recompute_reads=tuple(reads), view_of=tuple(view_of), fixed_bytes=fixed,
+    )
+
+
+def _all_consistent_plans(problem):
+    n = len(problem.names)
+    for choice in itertools.product((None, "keep", "recompute"), repeat=n):
+        keep = frozenset(i for i, c in enumerate(choice) if c == "keep")
+        recompute = frozenset(i for i, c in enumerate(choice) if c == "recompute")
+        if is_consistent(problem, keep, recompute):
+            yield keep, recompute
+
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@FAST
+@given(problems(), st.floats(0.0, 1.5))
+def test_solver_matches_brute_force(problem, fraction):
+    plans = list(_all_consistent_plans(problem))
+    peaks = [evaluate(problem, *p)[0] for p in plans]
+    budget = int(min(peaks) + fraction * (max(peaks) - min(peaks)))
+    feasible = [evaluate(problem, *p)[1] for p, peak in zip(plans, peaks) if peak <= budget]
+    result = solve_activation_plan(problem, budget, time_limit_s=5)
+    if not feasible:
+        assert result.status == "infeasible"
+        return
+    assert result.status in ("optimal", "feasible", "fallback")
+    assert is_consistent(problem, result.keep, result.recompute)
+    assert evaluate(problem, result.keep, result.recompute)[0] <= budget
+    assert result.model_peak_bytes <= budget
+    if result.status == "optimal":
+        assert abs(result.added_time_s - min(feasible)) <= 1e-9 + 1e-6 * min(feasible)
+
+
+@FAST
+@given(problems())
+def test_min_peak_is_the_least_peak(problem):
+    least = min(evaluate(problem, *p)[0] for p in _all_consistent_plans(problem))
+    result = solve_min_peak(problem, time_limit_s=5)
+    assert is_consistent(problem, result.keep, result.recompute)
+    assert result.model_peak_bytes == least
+
+
+@FAST
+@given(problems(max_candidates=12), st.integers(0, 20000))
+def test_greedy_and_closure_give_consistent_plans(problem, budget):
+    for plan in (greedy_plan(problem, budget), close_decisions(problem, set(range(len(problem.names))))):
+        assert is_consistent(problem, *plan)
+
+
+def test_recompute_placed_just_before_first_reader():
+    # One 100-byte activation, forward steps 0-1, backward steps 2-5, read at step 4 only.
+    problem = ActivationProblem(
+        names=("a",), nbytes=(100,), recompute_cost_s=(1e-3,), can_keep=(True,), can_recompute=(True,),
+        first_read=(4,), last_read=(4,), keep_from=(1,), recompute_from=(2,), recompute_reads=((),),
+        view_of=(-1,), fixed_bytes=(0, 0, 50, 0, 0, 0),
+    )
+    # Kept: live over steps 1..4 together with the 50 bytes at step 2 -> 150.
+    assert evaluate(problem, frozenset({0}), frozenset())[0] == 150
+    # Recomputed: live at step 4 only -> 100.
+    assert evaluate(problem, frozenset(), frozenset({0}))[0] == 100
+    result = solve_activation_plan(problem, 120, time_limit_s=5)
+    assert result.recompute == {0} and result.status == "optimal"
+    assert solve_activation_plan(problem, 99, time_limit_s=5).status == "infeasible"
