@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 from memcompile.backend import Backend
+# Imported before `def dump` below so the function, not the submodule, is memcompile.dump.
+from memcompile.dump import dump as _dump_impl
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.measure import PeakMeasurement, measure_peak
 from memcompile.options import Options, make_options, parse_bytes
@@ -32,12 +34,11 @@ def budget(limit: int | str, **options: object) -> Backend:
     return Backend(make_options(limit, **options))
 
 
-def dump(obj: object) -> str:
-    """Text view of the plans of a backend (or of one plan)."""
-    if isinstance(obj, Plan):
-        return obj.summary()
-    if isinstance(obj, Backend):
-        if not obj.plans:
-            return f"{obj!r}: no graph with a backward pass compiled yet"
-        return "\n\n".join(p.summary() for p in obj.plans)
-    raise TypeError(f"memcompile.dump() takes a Backend or a Plan, got {type(obj).__name__}")
+def dump(obj: object, format: str = "text", path: str | None = None) -> str:
+    """The plans of a backend, a torch.compile result built with one, a plan or a list of plans.
+
+    format: "text" (report), "json" (schema_version 1; `from memcompile.dump import load_plans`
+    reads it back) or "html" (self-contained picture of live memory before/after).
+    Writes to `path` too if given.
+    """
+    return _dump_impl(obj, format=format, path=path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import pathlib
 import threading
 import weakref
@@ -13,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
+from memcompile.dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.options import Options
 from memcompile.plan import Plan
@@ -61,6 +63,7 @@ class Partitioner(tp.PartitionerBase):
         )
         if backend is not None:
             backend.plans.append(plan)
+            write_dump_dir(plan, os.environ.get("MEMCOMPILE_DUMP_DIR"))
         return fw, bw
 
     def uuid(self) -> str:
