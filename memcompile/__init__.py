@@ -9,8 +9,7 @@
 from __future__ import annotations
 
 from memcompile.backend import Backend
-# Imported before `def dump` below so the function, not the submodule, is memcompile.dump.
-from memcompile.dump import dump as _dump_impl
+from memcompile.plan_dump import dump as _dump_impl
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.measure import PeakMeasurement, measure_peak
 from memcompile.options import Options, make_options, parse_bytes
@@ -37,7 +36,7 @@ def budget(limit: int | str, **options: object) -> Backend:
 def dump(obj: object, format: str = "text", path: str | None = None) -> str:
     """The plans of a backend, a torch.compile result built with one, a plan or a list of plans.
 
-    format: "text" (report), "json" (schema_version 1; `from memcompile.dump import load_plans`
+    format: "text" (report), "json" (schema_version 1; `from memcompile.plan_dump import load_plans`
     reads it back) or "html" (self-contained picture of live memory before/after).
     Writes to `path` too if given.
     """

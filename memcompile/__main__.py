@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from memcompile.dump import load_plans, to_html, to_text
+from memcompile.plan_dump import load_plans, to_html, to_text
 
 
 def main(argv: list[str] | None = None) -> int:

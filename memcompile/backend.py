@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.dump import write_dump_dir
+from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.options import Options
 from memcompile.plan import Plan

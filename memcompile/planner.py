@@ -55,6 +55,12 @@ def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse_pointwis
     return _Attempt(solution, fw, bw, analyze_liveness(fw, bw, num_fwd_outputs, fuse_pointwise=fuse_pointwise))
 
 
+def _user_line(stack_trace: str) -> str:
+    """The user's source line from an FX stack trace (Python 3.11 adds ^^^ marker lines)."""
+    lines = [ln.strip() for ln in stack_trace.splitlines() if ln.strip().strip("^~ ")]
+    return lines[-1] if lines else ""
+
+
 def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[Decision, ...]:
     problem = analysis.problem
     rows = []
@@ -78,7 +84,7 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
             choice="recompute" if recomputed else "keep",
             time_cost_s=problem.recompute_cost_s[i] if recomputed else 0.0,
             reason=reason,
-            source=trace.strip().splitlines()[-1].strip() if trace.strip() else "",
+            source=_user_line(trace),
         ))
     return tuple(rows)
 

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 
 import memcompile
-from memcompile.dump import (find_backend, load_plans, plan_from_json, plan_to_dict, plans_from_json,
+from memcompile.plan_dump import (find_backend, load_plans, plan_from_json, plan_to_dict, plans_from_json,
                              to_html, to_json, to_text, write_dump_dir)
 from memcompile.plan import Decision, Plan
 

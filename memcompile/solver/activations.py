@@ -117,18 +117,62 @@ def live_spans(problem: ActivationProblem, keep: frozenset[int], recompute: froz
     return spans
 
 
+def step_loads(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> list[int]:
+    """Modelled peak bytes at every step.
+
+    Recomputed tensors that start at step t run, in topological order, just before t's node (as
+    the rewrite places them): a chain's members are live one after another, each freed once its
+    last reader in the chain has run, unless step t or a later step still reads it.
+    """
+    start, end = placement(problem, recompute)
+    horizon = problem.num_steps
+    diff = [0] * (horizon + 1)
+
+    def add(nbytes: int, a: int, b: int) -> None:
+        if nbytes and a <= b:
+            diff[a] += nbytes
+            diff[b + 1] -= nbytes
+
+    chains: dict[int, list[int]] = {}
+    for i in keep:
+        add(problem.nbytes[i], problem.keep_from[i], end[i])
+    for i in recompute:
+        if problem.recompute_from[i] >= horizon:
+            continue  # its forward lifetime already covers the whole step
+        add(problem.nbytes[i], start[i] + 1, end[i])
+        chains.setdefault(start[i], []).append(i)
+    loads, running = [], 0
+    for t in range(horizon):
+        running += diff[t]
+        loads.append(problem.fixed_bytes[t] + running)
+    for t, members in chains.items():
+        member_set = set(members)
+        readers_left = {j: 0 for j in members}
+        for m in members:
+            for j in problem.recompute_reads[m]:
+                if j in member_set:
+                    readers_left[j] += 1
+
+        def persists(j: int) -> bool:
+            return end[j] > t or problem.first_read[j] <= t <= problem.last_read[j]
+
+        base, live, peak = loads[t], 0, loads[t]
+        for m in sorted(members):
+            live += problem.nbytes[m]
+            peak = max(peak, base + live)
+            for j in problem.recompute_reads[m]:
+                if j in member_set:
+                    readers_left[j] -= 1
+                    if readers_left[j] == 0 and not persists(j):
+                        live -= problem.nbytes[j]
+        loads[t] = max(peak, base + sum(problem.nbytes[j] for j in members if persists(j)))
+    return loads
+
+
 def evaluate(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> tuple[int, float]:
     """(modelled peak bytes, added time) of a decision set."""
-    diff = [0] * (problem.num_steps + 1)
-    for i, (a, b) in live_spans(problem, keep, recompute).items():
-        if a <= b:
-            diff[a] += problem.nbytes[i]
-            diff[b + 1] -= problem.nbytes[i]
-    peak = running = 0
-    for t, fixed in enumerate(problem.fixed_bytes):
-        running += diff[t]
-        peak = max(peak, fixed + running)
-    return peak, sum(problem.recompute_cost_s[i] for i in recompute)
+    loads = step_loads(problem, keep, recompute)
+    return max(loads, default=0), sum(problem.recompute_cost_s[i] for i in recompute)
 
 
 def is_consistent(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> bool:
@@ -162,20 +206,6 @@ def close_decisions(problem: ActivationProblem, prefer_recompute: set[int]) -> t
     return frozenset(keep), frozenset(recompute)
 
 
-def _peak_step(problem: ActivationProblem, spans: dict[int, tuple[int, int]]) -> tuple[int, int]:
-    diff = [0] * (problem.num_steps + 1)
-    for i, (a, b) in spans.items():
-        if a <= b:
-            diff[a] += problem.nbytes[i]
-            diff[b + 1] -= problem.nbytes[i]
-    best_t, best, running = 0, -1, 0
-    for t, fixed in enumerate(problem.fixed_bytes):
-        running += diff[t]
-        if fixed + running > best:
-            best_t, best = t, fixed + running
-    return best_t, best
-
-
 def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozenset[int], frozenset[int]]:
     """Start from keeping everything; while the peak is over budget, recompute the kept tensor
     live at the peak step with the most bytes per second of recompute. Always a consistent plan;
@@ -185,7 +215,9 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
     best_plan, best_peak = plan, None
     for _ in range(len(problem.names) + 1):
         spans = live_spans(problem, *plan)
-        t, peak = _peak_step(problem, spans)
+        loads = step_loads(problem, *plan)
+        t = max(range(len(loads)), key=loads.__getitem__)
+        peak = loads[t]
         if best_peak is None or peak < best_peak:
             best_plan, best_peak = plan, peak
         if peak <= budget_bytes:
@@ -214,15 +246,36 @@ def _fixed_segments(fixed: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def fine_ends(problem: ActivationProblem, recompute: frozenset[int], start: list[int]) -> list[int]:
+    """End of each candidate's live span on the solver's fine time grid (see `_build_model`)."""
+    scale = len(problem.names) + 1
+    readers = problem.readers()
+    ends = [-1] * len(problem.names)
+    for i in reversed(range(len(problem.names))):
+        e = problem.last_read[i] * scale + scale - 1 if problem.last_read[i] >= 0 else -1
+        for c in readers[i]:
+            if c in recompute:
+                e = max(e, ends[c] if problem.view_of[c] == i else start[c] * scale + c)
+        ends[i] = e
+    return ends
+
+
 def _build_model(problem: ActivationProblem, budget_bytes: int | None):
-    """CP-SAT model; with budget None the capacity is a variable to minimise."""
+    """CP-SAT model; with budget None the capacity is a variable to minimise.
+
+    Time is fine-grained so the model matches `step_loads`: step t spans slots
+    [t*S, t*S + S) with S = candidates + 1; a candidate i recomputed for step t runs at slot
+    t*S + i (candidates are in topological order, so a chain runs in order) and the step's own
+    node at slot t*S + S - 1.
+    """
     model = cp_model.CpModel()
     n, horizon = len(problem.names), problem.num_steps
     last = horizon - 1
+    scale = n + 1
     keep = [model.NewBoolVar(f"keep_{i}") for i in range(n)]
     recompute = [model.NewBoolVar(f"recompute_{i}") for i in range(n)]
-    start = [model.NewIntVar(0, last, f"start_{i}") for i in range(n)]
-    end = [model.NewIntVar(-1, last, f"end_{i}") for i in range(n)]
+    start = [model.NewIntVar(0, last, f"start_{i}") for i in range(n)]  # step of recomputation
+    end = [model.NewIntVar(-1, horizon * scale, f"end_{i}") for i in range(n)]  # fine slot
     readers = problem.readers()
     intervals, demands = [], []
     for i in range(n):
@@ -236,30 +289,40 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None):
             model.Add(keep[i] + recompute[i] <= sum(recompute[c] for c in readers[i]))
             for c in readers[i]:
                 model.Add(keep[i] + recompute[i] >= recompute[c])
-        if problem.recompute_from[i] <= last:
-            model.Add(start[i] >= problem.recompute_from[i]).OnlyEnforceIf(recompute[i])
-        if problem.first_read[i] < horizon:
-            model.Add(start[i] <= problem.first_read[i]).OnlyEnforceIf(recompute[i])
-        model.Add(end[i] >= problem.last_read[i])
+        # The rewrite runs a recomputation just before its first reader: start is exactly
+        # max(recompute_from, min(first direct read, starts of recomputed readers)), as `placement`.
+        first_need = [min(problem.first_read[i], horizon)]
         for c in readers[i]:
-            model.Add(start[i] <= start[c]).OnlyEnforceIf(recompute[c])
-            reach = end[c] if problem.view_of[c] == i else start[c]
+            need_c = model.NewIntVar(0, horizon, f"need_{i}_{c}")
+            model.Add(need_c == start[c]).OnlyEnforceIf(recompute[c])
+            model.Add(need_c == horizon).OnlyEnforceIf(recompute[c].Not())
+            first_need.append(need_c)
+        earliest = model.NewIntVar(0, horizon, f"earliest_{i}")
+        model.AddMinEquality(earliest, first_need)
+        placed = model.NewIntVar(0, horizon, f"placed_{i}")
+        model.AddMaxEquality(placed, [earliest, min(problem.recompute_from[i], horizon)])
+        model.AddMinEquality(start[i], [placed, last])
+        if problem.last_read[i] >= 0:
+            model.Add(end[i] >= problem.last_read[i] * scale + scale - 1)
+        for c in readers[i]:
+            reach = end[c] if problem.view_of[c] == i else start[c] * scale + c
             model.Add(end[i] >= reach).OnlyEnforceIf(recompute[c])
         if problem.nbytes[i] == 0:
             continue
         if problem.keep_from[i] <= last:
-            # A kept i ends no earlier than where its extra span starts (end=start-1: empty span).
-            model.Add(end[i] >= problem.keep_from[i] - 1).OnlyEnforceIf(keep[i])
-            size = model.NewIntVar(0, horizon, f"keep_size_{i}")
-            intervals.append(model.NewOptionalIntervalVar(problem.keep_from[i], size, end[i] + 1, keep[i], f"keep_iv_{i}"))
+            first_slot = problem.keep_from[i] * scale
+            model.Add(end[i] >= first_slot - 1).OnlyEnforceIf(keep[i])
+            size = model.NewIntVar(0, horizon * scale, f"keep_size_{i}")
+            intervals.append(model.NewOptionalIntervalVar(first_slot, size, end[i] + 1, keep[i], f"keep_iv_{i}"))
             demands.append(problem.nbytes[i])
         if problem.recompute_from[i] <= last:
-            size = model.NewIntVar(0, horizon, f"recompute_size_{i}")
-            intervals.append(model.NewOptionalIntervalVar(start[i], size, end[i] + 1, recompute[i], f"recompute_iv_{i}"))
+            size = model.NewIntVar(0, horizon * scale, f"recompute_size_{i}")
+            intervals.append(model.NewOptionalIntervalVar(start[i] * scale + i, size, end[i] + 1, recompute[i],
+                                                          f"recompute_iv_{i}"))
             demands.append(problem.nbytes[i])
     for a, b, fixed in _fixed_segments(problem.fixed_bytes):
         if fixed:
-            intervals.append(model.NewIntervalVar(a, b - a + 1, b + 1, f"fixed_{a}"))
+            intervals.append(model.NewIntervalVar(a * scale, (b - a + 1) * scale, (b + 1) * scale, f"fixed_{a}"))
             demands.append(fixed)
     if budget_bytes is None:
         capacity = model.NewIntVar(0, sum(problem.nbytes) + max(problem.fixed_bytes, default=0), "peak")
@@ -286,25 +349,41 @@ def solve_activation_plan(
         return ActivationSolution(frozenset(), frozenset(), max(problem.fixed_bytes), 0.0, "infeasible", 0.0, 0.0)
     greedy = greedy_plan(problem, budget_bytes)
     greedy_peak, greedy_added = evaluate(problem, *greedy)
-    model, keep, recompute, start, end = _build_model(problem, budget_bytes)
-    if greedy_peak <= budget_bytes:  # warm start from a complete, feasible assignment
-        hint_start, hint_end = placement(problem, greedy[1])
+    best = greedy if greedy_peak <= budget_bytes else None
+    best_status, lower_s = "fallback", 0.0
+    target = budget_bytes
+    # CP-SAT may spread a recompute chain over earlier steps, which `evaluate` (the rewrite's
+    # placement) does not: accept its answer only when `evaluate` agrees, else ask for less.
+    while time.perf_counter() - began < 0.9 * time_limit_s:
+        model, keep, recompute, start, end = _build_model(problem, target)
+        hint = best or greedy
+        hint_start, _ = placement(problem, hint[1])
+        hint_end = fine_ends(problem, hint[1], hint_start)
         for i in range(len(problem.names)):
-            model.AddHint(keep[i], i in greedy[0])
-            model.AddHint(recompute[i], i in greedy[1])
+            model.AddHint(keep[i], i in hint[0])
+            model.AddHint(recompute[i], i in hint[1])
             model.AddHint(start[i], hint_start[i])
             model.AddHint(end[i], hint_end[i])
-    outcome = run_model(model, time_limit_s=time_limit_s, workers=workers, seed=seed)
-    if outcome.has_solution:
+        remaining = time_limit_s - (time.perf_counter() - began)
+        outcome = run_model(model, time_limit_s=remaining, workers=workers, seed=seed)
+        if not outcome.has_solution:
+            if outcome.status == "infeasible" and target == budget_bytes and best is None:
+                return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0, time.perf_counter() - began)
+            break
         chosen = _decisions_from(outcome, keep, recompute)
         peak, added = evaluate(problem, *chosen)
-        if greedy_peak <= budget_bytes and (greedy_added, greedy_peak) < (added, peak):
-            chosen, peak, added = greedy, greedy_peak, greedy_added
-        bound = added if outcome.status == "optimal" else max(0.0, outcome.lower_bound) * _TIME_UNIT_S
-        return ActivationSolution(*chosen, peak, added, outcome.status, min(bound, added), time.perf_counter() - began)
-    if greedy_peak <= budget_bytes:  # CP-SAT found nothing in time: the greedy plan is valid
-        return ActivationSolution(*greedy, greedy_peak, greedy_added, "fallback", 0.0, time.perf_counter() - began)
-    return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0, time.perf_counter() - began)
+        if peak <= budget_bytes:
+            if best is None or added <= evaluate(problem, *best)[1]:
+                best = chosen
+                proven = outcome.status == "optimal" and target == budget_bytes
+                best_status = "optimal" if proven else "feasible"
+                lower_s = added if proven else max(0.0, outcome.lower_bound) * _TIME_UNIT_S
+            break
+        target -= peak - budget_bytes
+    if best is None:
+        return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0, time.perf_counter() - began)
+    peak, added = evaluate(problem, *best)
+    return ActivationSolution(*best, peak, added, best_status, min(lower_s, added), time.perf_counter() - began)
 
 
 def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, workers: int = 2, seed: int = 0) -> ActivationSolution:
