@@ -15,6 +15,7 @@ from memcompile import _torch_private as tp
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.node_cost import estimate_node_time_s
 from memcompile.passes.graph_facts import (
+    transient_bytes,
     effective_reads,
     inlined_pointwise,
     is_aliasing_op,
@@ -163,6 +164,10 @@ def analyze_joint_graph(
         if n.op == "placeholder" and tp.is_tangent(n):
             add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))
     for n in forward_nodes + backward_nodes:
+        if n in fw_set and n not in required_fw:
+            pass  # unclaimed: runs in forward only if kept, its transients come with the check
+        else:
+            add(transient_bytes(n), step[n], step[n])
         if root[n] is not n or n in inlined:
             continue  # aliases and fused nodes own no storage
         if is_getitem(n) is False and isinstance(n.meta.get("val"), (tuple, list)):

@@ -17,7 +17,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.passes.graph_facts import (
     effective_reads,
-    layout_copy_bytes,
+    transient_bytes,
     inlined_pointwise,
     is_aliasing_op,
     is_getitem,
@@ -129,13 +129,13 @@ def analyze_liveness(
         return sum(s.nbytes for s in live.values())
 
     def record(phase: str, node: fx.Node) -> None:
-        total = live_total() + OP_SCRATCH_BYTES + layout_copy_bytes(node)
+        total = live_total() + OP_SCRATCH_BYTES + transient_bytes(node)
         steps.append(LiveStep(phase, node.name, total))
         if total > peak["bytes"]:
             by_category: dict[str, int] = {}
             for s in live.values():
                 by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
-            by_category["op_scratch"] = OP_SCRATCH_BYTES
+            by_category["op_scratch_and_workspace"] = OP_SCRATCH_BYTES + transient_bytes(node)
             peak["bytes"] = total
             peak["breakdown"] = tuple(sorted(by_category.items()))
 
