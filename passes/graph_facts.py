@@ -116,6 +116,27 @@ _WORKSPACE_FACTORS = (
 )
 
 
+def _im2col_bytes(node: fx.Node) -> int:
+    """The column buffer of a convolution lowered to matmul (CPU without oneDNN, e.g. float64):
+    batch x input channels x kernel elements x output positions."""
+    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:3]]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if "backward" in str(node.target):
+        grad_out, inp, weight = tensors[:3]
+        out_shape = grad_out.shape
+    else:
+        inp, weight = tensors[:2]
+        out = node.meta.get("val")
+        out_shape = out.shape if isinstance(out, torch.Tensor) else inp.shape
+    kernel = 1
+    for k in weight.shape[2:]:
+        kernel *= int(k)
+    positions = 1
+    for p in out_shape[2:]:
+        positions *= int(p)
+    return int(inp.shape[0]) * int(inp.shape[1]) * kernel * positions * inp.dtype.itemsize
+
+
 def kernel_workspace_bytes(node: fx.Node) -> int:
     """Bytes a library kernel allocates and frees inside itself while `node` runs."""
     if node.op != "call_function":
@@ -125,7 +146,17 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
     if not factor:
         return 0
     moved = sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
-    return int(factor * (moved + tensor_nbytes(node.meta.get("val"))))
+    workspace = int(factor * (moved + tensor_nbytes(node.meta.get("val"))))
+    if "convolution" in name:
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        onednn = isinstance(value, torch.Tensor) and (
+            value.device.type != "cpu" or value.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        if not onednn:
+            try:
+                workspace = max(workspace, _im2col_bytes(node))
+            except (ValueError, IndexError, TypeError):  # unexpected signature: keep the estimate
+                pass
+    return workspace
 
 
 def transient_bytes(node: fx.Node) -> int:

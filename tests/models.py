@@ -96,3 +96,14 @@ def loss_of(out):
     if isinstance(out, tuple):
         return sum(o.float().pow(2).mean() for o in out)
     return out.float().pow(2).mean()
+
+
+class WithLoss(nn.Module):
+    """The loss inside the compiled graph, so the whole step is under the budget."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return loss_of(self.model(x))

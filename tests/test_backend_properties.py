@@ -12,21 +12,11 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import memcompile
 from memcompile.passes.liveness import OP_SCRATCH_BYTES
-from models import build, loss_of
+from models import WithLoss, build, loss_of
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
                     phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking recompiles: too slow
 
-
-class WithLoss(torch.nn.Module):
-    """The loss inside the compiled graph, so the whole step is under the budget."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return loss_of(self.model(x))
 
 
 def _grads(model, x, fn):

@@ -6,18 +6,10 @@ import pytest
 import torch
 
 import memcompile
-from models import build, loss_of
+from models import WithLoss, build
 
 pytestmark = pytest.mark.inductor
 
-
-class WithLoss(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return loss_of(self.model(x))
 
 
 def _run(model, x, limit):

@@ -25,3 +25,22 @@ def test_passes_and_cost_models_install_inside_the_package():
 
     assert memcompile.passes.liveness.__name__ == "memcompile.passes.liveness"
     assert memcompile.cost_models.device.profile_for("h100").name == "h100"
+
+
+def test_wheel_installs_everything_under_one_import_name(tmp_path):
+    """The wheel holds memcompile/passes and memcompile/cost_models, and nothing top-level else."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("memcompile-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "memcompile/passes/liveness.py" in names
+    assert "memcompile/cost_models/device.py" in names
+    assert "memcompile/solver/activations.py" in names
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"memcompile"}
