@@ -22,7 +22,7 @@ def apply_plan(
     readers = list(analysis.backward_nodes) + [_compute_unit(analysis.candidates[i]) for i in recompute]
     read = {i for r in readers for i in r.all_input_nodes}
     backward = set(analysis.backward_nodes)
-    saved_primals = [p for p in analysis.primals if p in read]
+    saved_primals = [p for p in analysis.primals if p in read and not tp.is_sym_node(p)]
     saved_sym = [n for n in analysis.forward_nodes + analysis.primals
                  if n in read and n not in backward and tp.is_sym_node(n)]
     saved_values = [analysis.candidates[i] for i in sorted(keep)] + saved_primals
