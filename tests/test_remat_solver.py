@@ -287,3 +287,25 @@ def test_shared_vgg16_graph_at_90_percent() -> None:
     result = solve_remat(p, budget, time_limit_s=10)
     peak, cost = replay(p, result.schedule)
     assert peak <= budget and cost >= c0 and result.status in ("optimal", "feasible")
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark graphs not present")
+def test_shared_resnet50_at_70_percent_is_proven_optimal() -> None:
+    # Phase 1 (objective lower-bound search) proves this in ~1.5 s on 2 cores; 20 s leaves slack.
+    p = load_graph(SHARED / "checkmate_resnet50_b256_train.json")
+    p0, c0 = replay(p, baseline_schedule(p))
+    budget = math.ceil(0.7 * p0)
+    result = solve_remat(p, budget, time_limit_s=20)
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and result.status == "optimal" and cost == result.cost
+    assert result.lower_bound == pytest.approx(cost)
+
+
+def test_reported_bound_is_at_least_the_first_computation_bound() -> None:
+    from memcompile.solver.remat import first_compute_cost_bound
+
+    p = chain_with_skip()
+    for budget in (12, 14, 19):
+        result = solve_remat(p, budget, time_limit_s=5)
+        assert result.lower_bound >= first_compute_cost_bound(p, budget) - 1e-9
+        assert result.lower_bound <= result.cost

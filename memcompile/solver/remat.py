@@ -20,11 +20,15 @@ node order, then frees the ending ones, so memory at the stage's last compute is
 cumulative's load at that stage: the model's memory accounting is exact for what we emit.
 Because C and the stage grid restrict the schedules, the CP-SAT bound is a lower bound on cost
 *within this formulation*; small graphs get a grid fine enough to contain the optimal schedules.
+The reported bound is the larger of that and `first_compute_cost_bound` (valid for any schedule).
+CP-SAT runs in two phases (`_two_phase_solve`): a short one with objective lower-bound search
+(proves the Checkmate graphs fast), then default search warm-started from its best solution.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import time
@@ -36,7 +40,7 @@ from typing import Iterable, Mapping, Sequence
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from .cpsat import DEFAULT_SEED, DEFAULT_WORKERS, run_model
+from .cpsat import DEFAULT_SEED, DEFAULT_WORKERS, SolveOutcome, run_model
 
 Event = tuple[str, int]
 Schedule = tuple[Event, ...]
@@ -649,20 +653,61 @@ def solve_remat(
     rm = _build_model(problem, grid, capacity, scale)
     if greedy is not None:
         _add_hint(problem, rm, grid, greedy)
-    remaining = deadline - time.monotonic()
-    outcome = run_model(rm.model, time_limit_s=remaining, workers=workers, seed=seed, relative_gap=relative_gap)
+    outcome = _two_phase_solve(rm.model, deadline, time_limit_s, workers, seed, relative_gap)
 
     base_cost = sum(problem.cost)
+    # The first-computation knapsack bound holds for every schedule, so also within the formulation.
+    real_bound = first_compute_cost_bound(problem, budget)
     if outcome.has_solution:
         schedule = _checked(problem, budget, _computes_from_solution(rm, outcome.solver))
         if schedule is not None and (fallback is None or _cost(problem, schedule) <= _cost(problem, fallback)):
-            lower = base_cost + outcome.lower_bound / scale
+            lower = max(base_cost + outcome.lower_bound / scale, real_bound)
             return _with_schedule(problem, schedule, lower, outcome.status, started)
     if fallback is not None:
         lower = base_cost + outcome.lower_bound / scale if outcome.has_solution else base_cost
-        return _with_schedule(problem, fallback, lower, "timeout_fallback", started)
+        return _with_schedule(problem, fallback, max(lower, real_bound), "timeout_fallback", started)
     status = "infeasible_in_model" if outcome.status == "infeasible" else "no_schedule"
     return _no_schedule(status, peak_lb, started)
+
+
+# Phase 1 searches with CP-SAT's objective lower-bound search, which proves the Checkmate graphs
+# optimal several times faster (ResNet50 at 0.7: ~1.3 s instead of ~4.5 s) but slows the proofs on
+# the random layered graphs and can miss feasible solutions there; phase 2 (default parameters,
+# warm-started from phase 1's best solution) gets the remaining time when phase 1 is not optimal.
+_PHASE1_SHARE = 0.1
+_PHASE1_PARAMS = {"use_objective_lb_search": True}
+
+
+def _two_phase_solve(
+    model: cp_model.CpModel, deadline: float, time_limit_s: float, workers: int, seed: int, relative_gap: float
+) -> SolveOutcome:
+    phase1 = min(deadline - time.monotonic(), _PHASE1_SHARE * time_limit_s)
+    first = run_model(
+        model, time_limit_s=phase1, workers=workers, seed=seed, relative_gap=relative_gap, extra_params=_PHASE1_PARAMS
+    )
+    remaining = deadline - time.monotonic()
+    if first.status in ("optimal", "infeasible") or remaining < 0.05:
+        return first
+    if first.has_solution:  # warm start: every variable from phase 1's best solution
+        model.ClearHints()
+        for i in range(len(model.Proto().variables)):
+            var = model.get_int_var_from_proto_index(i)
+            model.AddHint(var, first.solver.Value(var))
+    second = run_model(model, time_limit_s=remaining, workers=workers, seed=seed, relative_gap=relative_gap)
+    if not second.has_solution or (first.has_solution and first.objective < second.objective):
+        # Keep phase 1's schedule; a bound proven in either phase is valid.
+        if not first.has_solution:
+            return second
+        bound = max(first.lower_bound, second.lower_bound) if second.has_solution else first.lower_bound
+        return _with_bound(first, bound)
+    if first.has_solution:
+        return _with_bound(second, max(first.lower_bound, second.lower_bound))
+    return second
+
+
+def _with_bound(outcome: SolveOutcome, bound: float) -> SolveOutcome:
+    status = "optimal" if bound >= outcome.objective else outcome.status
+    return dataclasses.replace(outcome, lower_bound=min(bound, outcome.objective), status=status)
 
 
 def _grid_with_greedy_plan(
