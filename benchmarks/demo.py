@@ -100,6 +100,10 @@ def main() -> int:
 
     print("\n== memcompile.dump(backend) ==")
     print(memcompile.dump(backend))
+    picture = Path(__file__).resolve().parent / "results" / "demo_plan.html"
+    picture.parent.mkdir(exist_ok=True)
+    memcompile.dump(backend, format="html", path=str(picture))
+    print(f"live-memory picture (before/after the plan, budget line, peak): {picture}")
     print()
     if not backend.plans:
         print("WARNING: backend.plans is empty (no graph went through the memcompile partitioner)")
