@@ -309,3 +309,28 @@ def test_reported_bound_is_at_least_the_first_computation_bound() -> None:
         result = solve_remat(p, budget, time_limit_s=5)
         assert result.lower_bound >= first_compute_cost_bound(p, budget) - 1e-9
         assert result.lower_bound <= result.cost
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark graphs not present")
+def test_greedy_plan_keeps_no_redundant_recomputation() -> None:
+    import time
+
+    from memcompile.solver import remat as R
+
+    p = load_graph(SHARED / "random_layered_n100.json")
+    p0, _ = replay(p, baseline_schedule(p))
+    capacity = math.ceil(0.8 * p0)
+    grid = R._make_grid(p, None, None)
+    plan = R._greedy_computes(p, grid, capacity, time.monotonic() + 10, False)
+    assert plan is not None
+    schedule = R._schedule_from_intervals(R._intervals_from_computes(p, plan))
+    assert replay(p, schedule)[0] <= capacity
+    for v, stages in enumerate(plan):
+        for s in stages[1:]:
+            trial = [list(cs) for cs in plan]
+            trial[v].remove(s)
+            intervals = R._intervals_from_computes(p, trial)
+            mine = [iv for iv in intervals if iv.node == v]
+            gap_ok = all(b.start >= a.end + 2 for a, b in zip(mine, mine[1:]))
+            fits = max(R._stage_loads(p, intervals, grid.horizon)) <= capacity
+            assert not (gap_ok and fits), f"recomputation of {v} at stage {s} is redundant"

@@ -346,7 +346,7 @@ def _greedy_computes(
         loads = _stage_loads(problem, intervals, grid.horizon)
         overloaded = sorted((t for t in range(grid.horizon) if loads[t] > capacity), key=lambda t: -loads[t])
         if not overloaded:
-            return computes
+            return _prune_recomputations(problem, grid, computes, capacity, deadline)
         if thorough:
             split = _first_useful_split(problem, grid, computes, intervals, loads, capacity, overloaded)
         else:
@@ -356,6 +356,27 @@ def _greedy_computes(
         v, stage = split
         bisect.insort(computes[v], stage)
     return None
+
+
+def _prune_recomputations(
+    problem: RematProblem, grid: _Grid, computes: list[list[int]], capacity: int, deadline: float
+) -> list[list[int]]:
+    """Drop recomputations that later splits made redundant (most expensive first)."""
+    extra = sorted(
+        ((v, s) for v, cs in enumerate(computes) for s in cs[1:]), key=lambda vs: (-problem.cost[vs[0]], vs)
+    )
+    for v, stage in extra:
+        if time.monotonic() > deadline:
+            break
+        trial = [cs for cs in computes]
+        trial[v] = [s for s in computes[v] if s != stage]
+        intervals = _intervals_from_computes(problem, trial)
+        mine = [iv for iv in intervals if iv.node == v]
+        if any(b.start < a.end + 2 for a, b in zip(mine, mine[1:])):
+            continue  # the model requires a free stage between intervals; keep the hint feasible
+        if max(_stage_loads(problem, intervals, grid.horizon), default=0) <= capacity:
+            computes = trial
+    return computes
 
 
 def _first_useful_split(
