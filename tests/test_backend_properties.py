@@ -77,9 +77,11 @@ def test_lossless_plans_match_eager_and_respect_the_budget(arch, size, depth, ba
     plan = backend.plans[0]
     assert plan.predicted_peak_bytes <= budget
     assert measured.peak_bytes <= budget
-    # The interpreter frees exactly as modelled: prediction and measurement agree closely.
+    # The interpreter frees exactly as modelled: prediction and measurement agree closely, but
+    # for the allowance for scratch and kernel workspaces (estimated high on purpose).
     assert measured.peak_bytes <= plan.predicted_peak_bytes
-    assert measured.peak_bytes >= 0.9 * (plan.predicted_peak_bytes - OP_SCRATCH_BYTES)
+    allowance = dict(plan.peak_breakdown).get("op_scratch_and_workspace", OP_SCRATCH_BYTES)
+    assert measured.peak_bytes >= 0.9 * (plan.predicted_peak_bytes - allowance)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
