@@ -39,7 +39,7 @@ class Plan:
     peak_breakdown: tuple[tuple[str, int], ...]
     decisions: tuple[Decision, ...]
     added_time_s: float
-    solver_status: str  # "fits" (no recompute needed) | "optimal" | "feasible" | "fallback"
+    solver_status: str  # "fits" (nothing to do) | "optimal" | "feasible" | "fallback" (greedy) | "least_peak_*" (at the smallest budget)
     solve_s: float
     gap: float
     live_bytes_before: tuple[int, ...]  # per step, forward then backward

@@ -398,5 +398,6 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     options = [frugal, greedy_plan(problem, 0)] + ([_decisions_from(outcome, keep, recompute)] if outcome.has_solution else [])
     best = min(options, key=lambda d: evaluate(problem, *d))
     peak, added = evaluate(problem, *best)
-    status = outcome.status if outcome.has_solution and best is options[-1] else "fallback"
+    # The status speaks of the peak, not of time: this plan minimises memory, then stops.
+    status = f"least_peak_{outcome.status if outcome.has_solution and best is options[-1] else 'fallback'}"
     return ActivationSolution(*best, peak, added, status, 0.0, time.perf_counter() - began)
