@@ -50,9 +50,12 @@ def _device_of(joint_inputs) -> str:
     return "cpu"
 
 
-def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse_pointwise: bool) -> _Attempt:
+def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs) -> _Attempt:
+    # Every node's result counted as a buffer, even under Inductor: modelling its fusion
+    # (fuse_pointwise=True) fell below the measured peak by up to 9% (Inductor also hoists and
+    # reorders allocations), while counting every buffer stayed above it in every run we measured.
     fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs)
-    return _Attempt(solution, fw, bw, analyze_liveness(fw, bw, num_fwd_outputs, fuse_pointwise=fuse_pointwise))
+    return _Attempt(solution, fw, bw, analyze_liveness(fw, bw, num_fwd_outputs))
 
 
 def _user_line(stack_trace: str) -> str:
@@ -100,19 +103,14 @@ def plan_joint_graph(
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     joint = tp.prepare_joint_graph(joint)
     profile = profile_for(options.device or _device_of(joint_inputs))
-    # Every node's result counted as a buffer, even under Inductor: modelling its fusion made the
-    # prediction fall below the measured peak by up to 9% (Inductor also hoists and reorders
-    # allocations), while counting every buffer stayed above it in every run we measured.
-    fuse = False
-    analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile,
-                                   fuse_pointwise=fuse)
+    analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile)
     problem = analysis.problem
     budget = options.step_budget_bytes
 
     keep_all = close_decisions(problem, prefer_recompute=set())
     model_peak, _ = evaluate(problem, *keep_all)
     baseline = _rewrite_and_check(
-        joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs, fuse
+        joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs
     )
     before = baseline.timeline
     chosen = baseline if before.peak_bytes <= budget else None
@@ -126,7 +124,7 @@ def plan_joint_graph(
         solve_s += solution.solve_s
         if solution.status == "infeasible":
             break
-        attempt = _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse)
+        attempt = _rewrite_and_check(joint, analysis, solution, num_fwd_outputs)
         log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
                   attempt.timeline.peak_bytes, solution.status)
         if attempt.timeline.peak_bytes <= budget:
@@ -137,7 +135,7 @@ def plan_joint_graph(
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
-        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options, fuse)
+        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options)
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
@@ -165,11 +163,11 @@ def plan_joint_graph(
     return chosen.forward, chosen.backward, plan
 
 
-def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, fuse: bool) -> tuple[_Attempt, float]:
+def _least_peak_attempt(joint, analysis, num_fwd_outputs, options) -> tuple[_Attempt, float]:
     """The plan with the least peak we can find (deterministically): min-peak under the model."""
     least = solve_min_peak(analysis.problem, time_limit_s=options.time_limit_s,
                            workers=options.workers, seed=options.seed)
-    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse)
+    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs)
     return attempt, least.solve_s
 
 

@@ -16,8 +16,6 @@ from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.node_cost import estimate_node_time_s
 from memcompile.passes.graph_facts import (
     transient_bytes,
-    effective_reads,
-    inlined_pointwise,
     is_aliasing_op,
     is_getitem,
     is_mutating_op,
@@ -76,10 +74,8 @@ def analyze_joint_graph(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int],
     profile: DeviceProfile,
-    *,
-    fuse_pointwise: bool = False,
 ) -> JointAnalysis:
-    required_fw, required_bw, _unclaimed = tp.classify_joint_nodes(
+    required_fw, required_bw, _ = tp.classify_joint_nodes(
         joint, num_fwd_outputs, static_lifetime_input_indices
     )
     nodes = [n for n in joint.graph.nodes if n.op != "output"]
@@ -124,22 +120,12 @@ def analyze_joint_graph(
     candidates = [n for n in forward_nodes if n in candidate_set]
     index = {n: i for i, n in enumerate(candidates)}
 
-    # Pointwise chains Inductor fuses (same phase, never a candidate: those may become outputs).
-    inlined: set[fx.Node] = set()
-    if fuse_pointwise:
-        outputs_set = set(user_outputs) | set(grad_outputs)
-        for phase in (set(backward_nodes), fw_set - candidate_set):
-            phase_nodes = [n for n in nodes if n in phase]
-            inlined |= {n for n in inlined_pointwise(phase_nodes, outputs_set) if next(iter(n.users)) in phase}
-
     # Storage-level first/last reads, per phase.
     fw_last_read: dict[fx.Node, int] = {}
     bw_first_read: dict[fx.Node, int] = {}
     bw_last_read: dict[fx.Node, int] = {}
     for n in nodes:
-        if n in inlined:
-            continue
-        for i in effective_reads(n, inlined):
+        for i in n.all_input_nodes:
             r = root[i]
             if n in fw_set:
                 fw_last_read[r] = max(fw_last_read.get(r, NEVER), step[n])
@@ -168,8 +154,8 @@ def analyze_joint_graph(
             pass  # unclaimed: runs in forward only if kept, its transients come with the check
         else:
             add(transient_bytes(n), step[n], step[n])
-        if root[n] is not n or n in inlined:
-            continue  # aliases and fused nodes own no storage
+        if root[n] is not n:
+            continue  # aliases own no storage
         if is_getitem(n) is False and isinstance(n.meta.get("val"), (tuple, list)):
             # Tuple producers: members nobody reads exist only while the op runs.
             read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}
