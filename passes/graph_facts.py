@@ -32,10 +32,29 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def _argument(node: fx.Node, name: str, default: object = None) -> object:
+    """An op argument by schema name, whether passed by position or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    for position, argument in enumerate(schema.arguments if schema else ()):
+        if argument.name == name:
+            return node.args[position] if position < len(node.args) else argument.default_value
+    return default
+
+
 def is_random_op(node: fx.Node) -> bool:
-    """Ops whose result depends on the RNG state: recomputing them would change the values."""
+    """Ops whose result depends on the RNG state: recomputing them would change the values.
+
+    Attention kernels are tagged random because of their dropout; with dropout_p == 0 they are
+    deterministic and may be recomputed.
+    """
     tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    if "scaled_dot_product" in str(node.target):
+        return _argument(node, "dropout_p", 0.0) not in (0, 0.0)
+    return True
 
 
 def is_mutating_op(node: fx.Node) -> bool:

@@ -91,3 +91,19 @@ def test_dropout_is_kept_never_recomputed(fraction):
     # Same seed, same masks: recomputing a random op would draw new ones and change the grads.
     for a, b in zip(reference, tight):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_attention_without_dropout_may_be_recomputed():
+    from memcompile.passes.graph_facts import is_random_op
+
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def f(q, k, v):
+        return attention(q, k, v, 0.0, True), attention(q, k, v, 0.1, True), torch.ops.aten.rand_like.default(q)
+
+    graph = torch.fx.symbolic_trace(f).graph
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target is not getattr]
+    by_target = [(str(n.target), n.args[3] if len(n.args) > 3 else None, is_random_op(n)) for n in calls]
+    assert (str(attention), 0.0, False) in by_target
+    assert (str(attention), 0.1, True) in by_target
+    assert any("rand_like" in t and random for t, _, random in by_target)
