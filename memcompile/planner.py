@@ -26,6 +26,7 @@ from memcompile.solver.activations import (
     ActivationSolution,
     close_decisions,
     evaluate,
+    greedy_plan,
     solve_activation_plan,
     solve_min_peak,
 )
@@ -119,8 +120,7 @@ def plan_joint_graph(
     for _ in range(_MAX_TIGHTENINGS if chosen is None else 0):
         # All solves of one graph share the time limit (each gets at least a second).
         remaining = max(1.0, options.time_limit_s - solve_s)
-        solution = solve_activation_plan(problem, target, time_limit_s=remaining,
-                                         workers=options.workers, seed=options.seed)
+        solution = _solve_or_greedy(problem, target, remaining, options)
         solve_s += solution.solve_s
         if solution.status == "infeasible":
             break
@@ -161,6 +161,19 @@ def plan_joint_graph(
     )
     log.info("%s", plan.summary())
     return chosen.forward, chosen.backward, plan
+
+
+def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options) -> ActivationSolution:
+    """The solver's plan; if the solver itself fails (a bug, an OR-Tools error), the greedy plan,
+    with a warning: a crash here would kill the user's run."""
+    try:
+        return solve_activation_plan(problem, target, time_limit_s=time_limit_s,
+                                     workers=options.workers, seed=options.seed)
+    except Exception as error:  # noqa: BLE001 - any solver failure must degrade, not abort
+        log.warning("memcompile: the solver failed (%s: %s); using the greedy plan", type(error).__name__, error)
+        plan = greedy_plan(problem, target)
+        peak, added = evaluate(problem, *plan)
+        return ActivationSolution(*plan, peak, added, "fallback" if peak <= target else "infeasible", 0.0, 0.0)
 
 
 def _least_peak_attempt(joint, analysis, num_fwd_outputs, options) -> tuple[_Attempt, float]:

@@ -150,3 +150,24 @@ def test_dynamic_shapes_compile_and_match_eager(arch):
     for a, b in zip(expected, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     assert backend.plans and backend.plans[0].predicted_peak_bytes <= 10**9
+
+
+def test_solver_failure_falls_back_to_a_valid_plan(monkeypatch, caplog):
+    from memcompile import planner
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("solver exploded")
+
+    model, x = build("attention", 16, 2, 4)
+    low, high = _bounds(model, x)
+    monkeypatch.setattr(planner, "solve_activation_plan", broken)
+    budget = (low + high) // 2
+    backend, compiled = _compile(model, budget)
+    expected = _grads(model, x, WithLoss(model))
+    got = _grads(model, x, compiled)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    plan = backend.plans[0]
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.solver_status in ("fallback", "least_peak_optimal", "least_peak_feasible", "least_peak_fallback")
+    assert "solver failed" in caplog.text
