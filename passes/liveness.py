@@ -25,8 +25,9 @@ from memcompile.passes.graph_facts import (
 )
 
 # Bytes an op may allocate and free inside itself (wrapped Python scalars, small workspaces) that
-# no graph node shows; counted at every step so tiny graphs keep their budget too.
-OP_SCRATCH_BYTES = 1024
+# no graph node shows and no workspace model explains (2.7 KB seen once in a float64 attention
+# backward, cause not found yet); counted at every step so tiny graphs keep their budget too.
+OP_SCRATCH_BYTES = 4096
 
 # Categories a storage is counted under, for the plan's breakdown.
 STATIC = "parameters_and_inputs"
