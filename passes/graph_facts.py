@@ -128,7 +128,7 @@ def layout_copy_bytes(node: fx.Node) -> int:
 # Scratch that library kernels allocate while they run, fitted to the CPU allocator's events
 # (torch 2.13, oneDNN) over batch 2-16, channels 4-64, sizes 8-32, kernels 1 and 3, rounded up:
 # convolution forward ~2x its output (blocked-layout copies), backward ~4x its input plus a fixed
-# ~29 KiB; flash attention ~0.15x what it reads and writes (backward), ~0.08x (forward).
+# ~29 KiB; flash attention ~0.15x what it reads and writes (backward), ~0.02x (forward).
 _KIB = 1024
 
 
@@ -169,7 +169,7 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
     if "scaled_dot_product" in name:
         moved = sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
         moved += tensor_nbytes(node.meta.get("val"))
-        return moved // 2 if "backward" in name else moved // 4 + 16 * _KIB
+        return moved // 2 if "backward" in name else moved // 16 + 16 * _KIB
     if "convolution" not in name:
         return 0
     value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
