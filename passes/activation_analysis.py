@@ -41,14 +41,14 @@ class JointAnalysis:
     cannot_recompute_reason: tuple[str, ...]
 
 
-def _compute_unit(node: fx.Node) -> fx.Node:
+def compute_unit(node: fx.Node) -> fx.Node:
     """The node that actually runs when `node` is recomputed (a getitem's tuple producer)."""
     return node.args[0] if is_getitem(node) else node
 
 
 def _alias_base(node: fx.Node) -> fx.Node | None:
     """The node whose storage `node` shares, if it is a view (directly or via a view tuple)."""
-    unit = _compute_unit(node)
+    unit = compute_unit(node)
     if is_aliasing_op(unit) and unit.args and isinstance(unit.args[0], fx.Node):
         return unit.args[0]
     return None
@@ -56,7 +56,7 @@ def _alias_base(node: fx.Node) -> fx.Node | None:
 
 def _recompute_ban(node: fx.Node) -> str:
     """Why `node` may not be recomputed in backward ('' when it may)."""
-    unit = _compute_unit(node)
+    unit = compute_unit(node)
     if unit.op != "call_function":
         return "not an op"
     if is_random_op(unit):
@@ -106,7 +106,7 @@ def analyze_joint_graph(
         return isinstance(n.meta.get("val"), torch.Tensor)
 
     def recompute_inputs(n: fx.Node) -> list[fx.Node]:
-        return [i for i in _compute_unit(n).all_input_nodes if i in fw_set and is_tensor(i)]
+        return [i for i in compute_unit(n).all_input_nodes if i in fw_set and is_tensor(i)]
 
     direct = {i for b in backward_nodes for i in b.all_input_nodes if i in fw_set and is_tensor(i)}
     candidate_set: set[fx.Node] = set()
@@ -150,13 +150,12 @@ def analyze_joint_graph(
         if n.op == "placeholder" and tp.is_tangent(n):
             add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))
     for n in forward_nodes + backward_nodes:
-        if n in fw_set and n not in required_fw:
-            pass  # unclaimed: runs in forward only if kept, its transients come with the check
-        else:
+        unclaimed = n in fw_set and n not in required_fw  # runs in forward only if kept
+        if not unclaimed:  # (then its transients are in the liveness check, not here)
             add(transient_bytes(n), step[n], step[n])
         if root[n] is not n:
             continue  # aliases own no storage
-        if is_getitem(n) is False and isinstance(n.meta.get("val"), (tuple, list)):
+        if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):
             # Tuple producers: members nobody reads exist only while the op runs.
             read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}
             for k, member in enumerate(n.meta["val"]):
@@ -182,7 +181,7 @@ def analyze_joint_graph(
         fw_end = max(fw_last_read.get(c, NEVER), step[c]) if in_forward else NEVER
         if in_forward and own_bytes:
             add(own_bytes, step[c], fw_end)  # forward lifetime: the same whatever we decide
-        unit = _compute_unit(c)
+        unit = compute_unit(c)
         if unit not in cost_of_unit:
             # Unclaimed nodes (forward values only the backward reads) run once either way:
             # computing them in backward is not a re-computation.

@@ -130,13 +130,14 @@ def analyze_liveness(
         return sum(s.nbytes for s in live.values())
 
     def record(phase: str, node: fx.Node) -> None:
-        total = live_total() + OP_SCRATCH_BYTES + transient_bytes(node)
+        scratch = OP_SCRATCH_BYTES + transient_bytes(node)
+        total = live_total() + scratch
         steps.append(LiveStep(phase, node.name, total))
         if total > peak["bytes"]:
             by_category: dict[str, int] = {}
             for s in live.values():
                 by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
-            by_category["op_scratch_and_workspace"] = OP_SCRATCH_BYTES + transient_bytes(node)
+            by_category["op_scratch_and_workspace"] = scratch
             peak["bytes"] = total
             peak["breakdown"] = tuple(sorted(by_category.items()))
 
@@ -144,15 +145,10 @@ def analyze_liveness(
     fw_inlined = _inlined(fw, fuse_pointwise)
     fw_roots, fw_created = _storage_roots(fw, "", lambda n: n.name, fw_inlined)
     fw_nodes = [n for n in fw.graph.nodes if n.op not in ("placeholder", "output")]
-    fw_step = {n: i for i, n in enumerate(fw_nodes)}
     for key, (nbytes, creator) in fw_created.items():
         category = STATIC if creator.op == "placeholder" else TEMPORARY
         storages[key] = _Storage(nbytes, category, pinned=creator.op == "placeholder")
-    for node in fw_nodes:
-        for inp in effective_reads(node, fw_inlined):
-            key = fw_roots.get(inp)
-            if key is not None and key in storages:
-                storages[key].last_step = max(storages[key].last_step, fw_step[node])
+    _mark_last_reads(fw_nodes, fw_roots, fw_inlined, storages)
     fw_out = fw.graph.find_nodes(op="output")[0]
     fw_out_args = list(fw_out.args[0])
     handed_on: dict[str, str] = {}  # saved value name -> storage key
@@ -172,13 +168,7 @@ def analyze_liveness(
         if s.category == STATIC:
             live[key] = s
     static_bytes = live_total()
-    fw_creates = _keys_by_creator(fw_created)
-    for node in fw_nodes:
-        for key in fw_creates.get(node, ()):
-            live[key] = storages[key]
-        record("forward", node)
-        for key in [k for k, s in live.items() if not s.pinned and s.last_step <= fw_step[node]]:
-            del live[key]
+    _run_phase("forward", fw_nodes, _keys_by_creator(fw_created), live, storages, record)
 
     # ---- backward
     if bw is not None:
@@ -193,7 +183,6 @@ def analyze_liveness(
         bw_inlined = _inlined(bw, fuse_pointwise)
         bw_roots, bw_created = _storage_roots(bw, "bw:", bw_placeholder_key, bw_inlined)
         bw_nodes = [n for n in bw.graph.nodes if n.op not in ("placeholder", "output")]
-        bw_step = {n: i for i, n in enumerate(bw_nodes)}
         for key, (nbytes, creator) in bw_created.items():
             if key in storages:
                 continue
@@ -203,11 +192,7 @@ def analyze_liveness(
             if storages[key].category == SAVED:
                 storages[key].pinned = False
                 storages[key].last_step = -1
-        for node in bw_nodes:
-            for inp in effective_reads(node, bw_inlined):
-                key = bw_roots.get(inp)
-                if key is not None:
-                    storages[key].last_step = max(storages[key].last_step, bw_step[node])
+        _mark_last_reads(bw_nodes, bw_roots, bw_inlined, storages)
         bw_out = bw.graph.find_nodes(op="output")[0]
         for arg in bw_out.args[0]:
             if isinstance(arg, fx.Node) and bw_roots.get(arg) is not None:
@@ -220,13 +205,7 @@ def analyze_liveness(
                 live[key] = storages[key]
         for key in [k for k, s in live.items() if not s.pinned and s.last_step < 0]:
             del live[key]  # saved tensors backward never reads
-        bw_creates = _keys_by_creator(bw_created)
-        for node in bw_nodes:
-            for key in bw_creates.get(node, ()):
-                live[key] = storages[key]
-            record("backward", node)
-            for key in [k for k, s in live.items() if not s.pinned and s.last_step <= bw_step[node]]:
-                del live[key]
+        _run_phase("backward", bw_nodes, _keys_by_creator(bw_created), live, storages, record)
 
     if not steps:
         steps.append(LiveStep("forward", "<empty>", static_bytes))
@@ -235,6 +214,26 @@ def analyze_liveness(
     return LivenessTimeline(
         tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"]
     )
+
+
+def _mark_last_reads(nodes: list[fx.Node], roots: dict, inlined: set, storages: dict[str, _Storage]) -> None:
+    """Each storage's last reader, as a step index into `nodes` (the phase's run order)."""
+    for step, node in enumerate(nodes):
+        for inp in effective_reads(node, inlined):
+            key = roots.get(inp)
+            if key is not None and key in storages:
+                storages[key].last_step = max(storages[key].last_step, step)
+
+
+def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
+               storages: dict[str, _Storage], record) -> None:
+    """Walk one graph: allocate what each node creates, record the step, free what is done."""
+    for step, node in enumerate(nodes):
+        for key in creates.get(node, ()):
+            live[key] = storages[key]
+        record(phase, node)
+        for key in [k for k, s in live.items() if not s.pinned and s.last_step <= step]:
+            del live[key]
 
 
 def _keys_by_creator(created: dict[str, tuple[int, fx.Node]]) -> dict[fx.Node, list[str]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.passes.activation_analysis import JointAnalysis, _compute_unit
+from memcompile.passes.activation_analysis import JointAnalysis, compute_unit
 
 
 def apply_plan(
@@ -19,7 +19,7 @@ def apply_plan(
     recompute: frozenset[int],
     num_fwd_outputs: int,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    readers = list(analysis.backward_nodes) + [_compute_unit(analysis.candidates[i]) for i in recompute]
+    readers = list(analysis.backward_nodes) + [compute_unit(analysis.candidates[i]) for i in recompute]
     read = {i for r in readers for i in r.all_input_nodes}
     backward = set(analysis.backward_nodes)
     saved_primals = [p for p in analysis.primals if p in read and not tp.is_sym_node(p)]
