@@ -107,65 +107,46 @@ def placement(problem: ActivationProblem, recompute: frozenset[int]) -> tuple[li
     return start, end
 
 
-def live_spans(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> dict[int, tuple[int, int]]:
-    """Extra live step range of each chosen candidate, recomputation placed as late as possible."""
-    start, end = placement(problem, recompute)
-    spans = {i: (problem.keep_from[i], end[i]) for i in keep}
-    # A recompute that could only start after the end (forward lifetime covers it) adds nothing.
-    spans.update({i: ((start[i], end[i]) if problem.recompute_from[i] < problem.num_steps else (1, 0))
-                  for i in recompute})
-    return spans
-
-
-def step_loads(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> list[int]:
-    """Modelled peak bytes at every step.
+def step_loads(
+    problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int],
+    placed: tuple[list[int], list[int]] | None = None,
+) -> list[int]:
+    """Modelled peak bytes at every step, on the same fine time grid as the CP-SAT model.
 
     Recomputed tensors that start at step t run, in topological order, just before t's node (as
-    the rewrite places them): a chain's members are live one after another, each freed once its
-    last reader in the chain has run, unless step t or a later step still reads it.
+    the rewrite places them): slot t*S + i for candidate i, the node at slot t*S + S - 1. A tensor
+    is live from its (re)computation or the end of its forward life to its last reader's slot,
+    so a chain's members are live one after another. `placed` is `placement(problem, recompute)`
+    when the caller has it already.
     """
-    start, end = placement(problem, recompute)
-    horizon = problem.num_steps
-    diff = [0] * (horizon + 1)
+    start, _ = placed or placement(problem, recompute)
+    ends = fine_ends(problem, recompute, start)
+    horizon, scale = problem.num_steps, len(problem.names) + 1
+    diff: dict[int, int] = {}
 
     def add(nbytes: int, a: int, b: int) -> None:
         if nbytes and a <= b:
-            diff[a] += nbytes
-            diff[b + 1] -= nbytes
+            diff[a] = diff.get(a, 0) + nbytes
+            diff[b + 1] = diff.get(b + 1, 0) - nbytes
 
-    chains: dict[int, list[int]] = {}
     for i in keep:
-        add(problem.nbytes[i], problem.keep_from[i], end[i])
+        if problem.keep_from[i] < horizon:
+            add(problem.nbytes[i], problem.keep_from[i] * scale, ends[i])
     for i in recompute:
-        if problem.recompute_from[i] >= horizon:
-            continue  # its forward lifetime already covers the whole step
-        add(problem.nbytes[i], start[i] + 1, end[i])
-        chains.setdefault(start[i], []).append(i)
-    loads, running = [], 0
+        if problem.recompute_from[i] < horizon:  # else its forward lifetime covers the whole step
+            add(problem.nbytes[i], start[i] * scale + i, ends[i])
+    slots = sorted(diff)
+    loads, running, k = [], 0, 0
     for t in range(horizon):
-        running += diff[t]
-        loads.append(problem.fixed_bytes[t] + running)
-    for t, members in chains.items():
-        member_set = set(members)
-        readers_left = {j: 0 for j in members}
-        for m in members:
-            for j in problem.recompute_reads[m]:
-                if j in member_set:
-                    readers_left[j] += 1
-
-        def persists(j: int) -> bool:
-            return end[j] > t or problem.first_read[j] <= t <= problem.last_read[j]
-
-        base, live, peak = loads[t], 0, loads[t]
-        for m in sorted(members):
-            live += problem.nbytes[m]
-            peak = max(peak, base + live)
-            for j in problem.recompute_reads[m]:
-                if j in member_set:
-                    readers_left[j] -= 1
-                    if readers_left[j] == 0 and not persists(j):
-                        live -= problem.nbytes[j]
-        loads[t] = max(peak, base + sum(problem.nbytes[j] for j in members if persists(j)))
+        while k < len(slots) and slots[k] <= t * scale:
+            running += diff[slots[k]]
+            k += 1
+        most = running
+        while k < len(slots) and slots[k] < (t + 1) * scale:
+            running += diff[slots[k]]
+            most = max(most, running)
+            k += 1
+        loads.append(problem.fixed_bytes[t] + most)
     return loads
 
 
@@ -214,8 +195,9 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
     plan = close_decisions(problem, prefer)
     best_plan, best_peak = plan, None
     for _ in range(len(problem.names) + 1):
-        spans = live_spans(problem, *plan)
-        loads = step_loads(problem, *plan)
+        placed = placement(problem, plan[1])
+        loads = step_loads(problem, *plan, placed=placed)
+        end = placed[1]
         t = max(range(len(loads)), key=loads.__getitem__)
         peak = loads[t]
         if best_peak is None or peak < best_peak:
@@ -225,7 +207,7 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
         options = [
             i for i in plan[0]
             if problem.can_recompute[i] and problem.nbytes[i] > 0 and i not in prefer
-            and spans[i][0] <= t <= spans[i][1]
+            and problem.keep_from[i] <= t <= end[i]
         ]
         if not options:
             break
