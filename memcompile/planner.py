@@ -201,10 +201,19 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
 
 
 def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_host) -> tuple[_Attempt, float]:
-    """The plan with the least peak we can find (deterministically): min-peak under the model."""
-    least = solve_min_peak(analysis.problem, time_limit_s=options.time_limit_s,
-                           workers=options.workers, seed=options.seed)
+    """The plan with the least peak we can find (deterministically): min-peak under the model, or
+    recompute-everything-possible if its rewritten graphs peak lower (the model approximates
+    conversion and recompute scratch; the check is exact)."""
+    problem = analysis.problem
+    least = solve_min_peak(problem, time_limit_s=options.time_limit_s, workers=options.workers, seed=options.seed)
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, offload_on_host)
+    frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
+    if frugal != least.decisions:
+        peak, added = evaluate(problem, *frugal)
+        other = _rewrite_and_check(joint, analysis, ActivationSolution(*frugal, peak, added, "least_peak_fallback",
+                                                                       0.0, 0.0), num_fwd_outputs, offload_on_host)
+        if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
+            attempt = other
     return attempt, least.solve_s
 
 

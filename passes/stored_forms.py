@@ -102,6 +102,18 @@ def exclusion_reason(node: fx.Node, fmt: str) -> str:
     return ""
 
 
+def conversion_scratch_bytes(val: torch.Tensor, fmt: str) -> tuple[int, int]:
+    """Temporaries of `build_store` / `build_load` beyond x, the stored form and the result, when
+    every op's output is a buffer (the FX interpreter; Inductor fuses them away): at most two
+    float32 copies while quantizing; while dequantizing, the float32 product when x is not
+    float32 and the float32 widening of fp8 (which has no type promotion)."""
+    wide = 4 * int(val.numel())
+    if fmt == "bf16":
+        return 0, 0
+    load = (wide if fmt == "fp8" else 0) + (wide if val.dtype != torch.float32 else 0)
+    return 2 * wide, load
+
+
 def store_choices_for(
     node: fx.Node, nbytes: int, profile: DeviceProfile, options: StoreOptions,
 ) -> tuple[tuple[StoreChoice, ...], str]:
@@ -119,7 +131,9 @@ def store_choices_for(
         # Quantize reads x twice (absmax, convert) and writes the stored form; dequantize reads
         # it and writes x: ~4 kernels, each memory-bound.
         moved = 3 * nbytes + 2 * held + nbytes
-        choices.append(StoreChoice("quantize", fmt, held, moved / profile.memory_bytes_per_s + 4 * profile.op_overhead_s))
+        store_scratch, load_scratch = conversion_scratch_bytes(val, fmt)
+        choices.append(StoreChoice("quantize", fmt, held, moved / profile.memory_bytes_per_s + 4 * profile.op_overhead_s,
+                                   store_transient_bytes=store_scratch, load_transient_bytes=load_scratch))
     if options.offload:
         link = options.host_link_bytes_per_s or profile.host_link_bytes_per_s or profile.memory_bytes_per_s
         # Synchronous copies (out in forward, back in backward): nothing hides them yet.
@@ -149,7 +163,7 @@ def build_store(graph: fx.Graph, x: fx.Node, choice: StoreChoice, on_host: bool)
         return [_call(graph, prims.convert_element_type.default, (x, torch.bfloat16), name=f"{x.name}_bf16")]
     dims = _group_dims(val.shape)
     limit = _INT8_MAX if choice.format == "int8" else _FP8_MAX
-    x32 = _call(graph, prims.convert_element_type.default, (x, torch.float32))
+    x32 = x if val.dtype == torch.float32 else _call(graph, prims.convert_element_type.default, (x, torch.float32))
     absmax = _call(graph, aten.amax.default, (_call(graph, aten.abs.default, (x32,)), dims, True))
     # A floor on the scale: a group of zeros gives 0 / tiny = 0, never 0 / 0.
     scale = _call(graph, aten.clamp_min.default, (_call(graph, aten.div.Scalar, (absmax, limit)), _TINY),
@@ -172,7 +186,10 @@ def build_load(graph: fx.Graph, stored: list[fx.Node], x: fx.Node, choice: Store
     if choice.format == "bf16":
         return _call(graph, prims.convert_element_type.default, (stored[0], val.dtype), name=f"{x.name}_dequant")
     q, scale = stored
-    wide = _call(graph, prims.convert_element_type.default, (q, torch.float32))
-    restored = _call(graph, aten.mul.Tensor, (wide, scale))
+    # int8 * float32 promotes to float32 in one op; float8 has no type promotion, so widen first.
+    wide = q if choice.format == "int8" else _call(graph, prims.convert_element_type.default, (q, torch.float32))
     # Pointwise ops and conversions keep x's strides, so backward kernels see the layout they were traced with.
+    if val.dtype == torch.float32:
+        return _call(graph, aten.mul.Tensor, (wide, scale), name=f"{x.name}_dequant")
+    restored = _call(graph, aten.mul.Tensor, (wide, scale))
     return _call(graph, prims.convert_element_type.default, (restored, val.dtype), name=f"{x.name}_dequant")

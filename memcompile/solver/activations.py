@@ -12,6 +12,7 @@ steps are the forward-then-backward execution order. The CP-SAT model (docs/desi
     kept i:        interval [keep_from_i, e_i]             presence k_i, demand bytes_i
     recomputed i:  interval [s_i, e_i]                     presence r_i, demand bytes_i
     quantized i:   interval [created_i, s_i]               presence q_ik, demand stored_bytes_ik
+                   (+ one slot of conversion scratch at created_i and at s_i)
                    interval [s_i, e_i] (dequantized)       presence q_ik, demand bytes_i
     offloaded i:   interval [keep_from_i, release_i]       presence q_ik, demand bytes_i (copy-out in flight)
                    interval [s_i - prefetch_i, e_i]        presence q_ik, demand bytes_i (reloaded)
@@ -48,6 +49,8 @@ class StoreChoice:
     link_s: float = 0.0  # offload: seconds of host-link time per direction (shared by all offloads)
     prefetch_steps: int = 0  # offload: the reload starts this many steps before the tensor is needed
     release_step: int = -1  # offload: last forward step the device copy is held (copy-out in flight)
+    store_transient_bytes: int = 0  # scratch of the conversion, at the producer's slot
+    load_transient_bytes: int = 0  # scratch of the conversion back, at its materialisation slot
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,10 @@ def step_loads(
         choice = problem.choices_of(i)[k]
         materialised = start[i] * scale + i
         if choice.kind == "quantize":
-            add(choice.stored_bytes, problem.created_at[i] * scale + scale - 1, materialised)
+            created = problem.created_at[i] * scale + scale - 1
+            add(choice.stored_bytes, created, materialised)
+            add(choice.store_transient_bytes, created, created)
+            add(choice.load_transient_bytes, materialised, materialised)
         else:
             add(problem.nbytes[i], problem.keep_from[i] * scale, choice.release_step * scale + scale - 1)
             materialised = reload_step(problem, i, choice, start[i]) * scale + i
@@ -432,6 +438,14 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
                 intervals.append(model.NewOptionalIntervalVar(first_slot, size, start[i] * scale + i + 1,
                                                               store[i][k], f"held_iv_{i}_{k}"))
                 demands.append(choice.stored_bytes)
+                if choice.store_transient_bytes:
+                    intervals.append(model.NewOptionalFixedSizeIntervalVar(first_slot, 1, store[i][k],
+                                                                           f"store_scratch_{i}_{k}"))
+                    demands.append(choice.store_transient_bytes)
+                if choice.load_transient_bytes:
+                    intervals.append(model.NewOptionalFixedSizeIntervalVar(start[i] * scale + i, 1, store[i][k],
+                                                                           f"load_scratch_{i}_{k}"))
+                    demands.append(choice.load_transient_bytes)
                 continue
             a, b = problem.keep_from[i] * scale, choice.release_step * scale + scale - 1
             if a <= b:
