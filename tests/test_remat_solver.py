@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from memcompile.solver import RematProblem, load_graph, solve_remat
-from memcompile.solver.remat import baseline_schedule, peak_lower_bound, problem_from_networkx
+from memcompile.solver.remat import baseline_schedule, peak_lower_bound, problem_from_networkx, proven_cost_bound, first_compute_cost_bound
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "remat_graphs"
 NO_SCHEDULE = {"infeasible", "infeasible_in_model", "no_schedule"}
@@ -138,6 +138,7 @@ def test_tiny_dags_match_brute_force(p: RematProblem, data) -> None:
     peak, cost = replay(p, result.schedule)
     assert peak <= budget and (peak, cost) == (result.peak, result.cost)
     assert cost == pytest.approx(optimum)
+    assert result.proven_lower_bound <= optimum + 1e-9
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,8 +167,27 @@ def test_random_dags_give_valid_schedules_within_budget(p: RematProblem, data) -
     peak, cost = replay(p, result.schedule)
     assert peak <= budget
     assert (peak, cost) == (result.peak, result.cost)
-    assert c0 - 1e-9 <= result.lower_bound <= cost + 1e-9
-    assert 0.0 <= result.gap <= 1.0
+    assert c0 - 1e-9 <= result.proven_lower_bound <= result.lower_bound <= cost + 1e-9
+    assert 0.0 <= result.gap <= result.proven_gap <= 1.0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(skip_chains(max_n=8), skip_chains(max_n=8), dags(max_n=7, pinned=True)), data=st.data())
+def test_proven_cost_bound_never_exceeds_the_true_optimum(p: RematProblem, data) -> None:
+    # The bound must hold for every schedule, not only the stage grid's: compare with exhaustive search.
+    p0, c0 = replay(p, baseline_schedule(p))
+    min_peak = brute_force_min_peak(p, p0)
+    # Tight budgets (where recomputation is needed), and now and then one below the least peak.
+    budget = data.draw(st.sampled_from([min_peak - 1, min_peak, min_peak, min_peak + 1, (min_peak + p0) // 2]), label="budget")
+    optimum = brute_force_min_cost(p, budget)
+    bound = proven_cost_bound(p, budget, time_limit_s=5)
+    event("no schedule" if optimum is None else "recomputes" if optimum > c0 else "no recompute")
+    if bound > first_compute_cost_bound(p, budget) + 1e-9:
+        event("closure bound above knapsack bound")
+    if math.isinf(bound):
+        assert optimum is None  # "no schedule fits" must be true
+    elif optimum is not None:
+        assert c0 - 1e-9 <= bound <= optimum + 1e-9
 
 
 @given(p=dags(max_n=8))
@@ -302,8 +322,6 @@ def test_shared_resnet50_at_70_percent_is_proven_optimal() -> None:
 
 
 def test_reported_bound_is_at_least_the_first_computation_bound() -> None:
-    from memcompile.solver.remat import first_compute_cost_bound
-
     p = chain_with_skip()
     for budget in (12, 14, 19):
         result = solve_remat(p, budget, time_limit_s=5)
