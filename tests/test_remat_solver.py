@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from memcompile.solver import RematProblem, load_graph, solve_remat
-from memcompile.solver.remat import baseline_schedule, peak_lower_bound, problem_from_networkx, proven_cost_bound, first_compute_cost_bound
+from memcompile.solver.remat import (
+    baseline_schedule,
+    first_compute_cost_bound,
+    peak_lower_bound,
+    problem_from_networkx,
+    proven_cost_bound,
+)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "remat_graphs"
 NO_SCHEDULE = {"infeasible", "infeasible_in_model", "no_schedule"}
@@ -178,7 +184,8 @@ def test_proven_cost_bound_never_exceeds_the_true_optimum(p: RematProblem, data)
     p0, c0 = replay(p, baseline_schedule(p))
     min_peak = brute_force_min_peak(p, p0)
     # Tight budgets (where recomputation is needed), and now and then one below the least peak.
-    budget = data.draw(st.sampled_from([min_peak - 1, min_peak, min_peak, min_peak + 1, (min_peak + p0) // 2]), label="budget")
+    tight = [min_peak - 1, min_peak, min_peak, min_peak + 1, (min_peak + p0) // 2]
+    budget = data.draw(st.sampled_from(tight), label="budget")
     optimum = brute_force_min_cost(p, budget)
     bound = proven_cost_bound(p, budget, time_limit_s=5)
     event("no schedule" if optimum is None else "recomputes" if optimum > c0 else "no recompute")

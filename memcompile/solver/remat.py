@@ -412,7 +412,8 @@ def _merge_adjacent(problem: RematProblem, plan: list[list[int]]) -> list[list[i
     the CP-SAT model (which wants a free stage between intervals) accepts the plan as a hint.
     """
     while True:
-        ends: dict[tuple[int, int], int] = {(iv.node, iv.start): iv.end for iv in _intervals_from_computes(problem, plan)}
+        intervals = _intervals_from_computes(problem, plan)
+        ends: dict[tuple[int, int], int] = {(iv.node, iv.start): iv.end for iv in intervals}
         merged = [
             [s for i, s in enumerate(stages) if i == 0 or ends[(v, stages[i - 1])] < s - 1]
             for v, stages in enumerate(plan)
