@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from memcompile.solver import RematProblem, load_graph, solve_remat
-from memcompile.solver.remat import baseline_schedule, peak_lower_bound, problem_from_networkx
+from memcompile.solver.remat import (
+    baseline_schedule,
+    first_compute_cost_bound,
+    peak_lower_bound,
+    problem_from_networkx,
+    proven_cost_bound,
+)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "remat_graphs"
 NO_SCHEDULE = {"infeasible", "infeasible_in_model", "no_schedule"}
@@ -138,6 +144,7 @@ def test_tiny_dags_match_brute_force(p: RematProblem, data) -> None:
     peak, cost = replay(p, result.schedule)
     assert peak <= budget and (peak, cost) == (result.peak, result.cost)
     assert cost == pytest.approx(optimum)
+    assert result.proven_lower_bound <= optimum + 1e-9
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,8 +173,28 @@ def test_random_dags_give_valid_schedules_within_budget(p: RematProblem, data) -
     peak, cost = replay(p, result.schedule)
     assert peak <= budget
     assert (peak, cost) == (result.peak, result.cost)
-    assert c0 - 1e-9 <= result.lower_bound <= cost + 1e-9
-    assert 0.0 <= result.gap <= 1.0
+    assert c0 - 1e-9 <= result.proven_lower_bound <= result.lower_bound <= cost + 1e-9
+    assert 0.0 <= result.gap <= result.proven_gap <= 1.0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(skip_chains(max_n=8), skip_chains(max_n=8), dags(max_n=7, pinned=True)), data=st.data())
+def test_proven_cost_bound_never_exceeds_the_true_optimum(p: RematProblem, data) -> None:
+    # The bound must hold for every schedule, not only the stage grid's: compare with exhaustive search.
+    p0, c0 = replay(p, baseline_schedule(p))
+    min_peak = brute_force_min_peak(p, p0)
+    # Tight budgets (where recomputation is needed), and now and then one below the least peak.
+    tight = [min_peak - 1, min_peak, min_peak, min_peak + 1, (min_peak + p0) // 2]
+    budget = data.draw(st.sampled_from(tight), label="budget")
+    optimum = brute_force_min_cost(p, budget)
+    bound = proven_cost_bound(p, budget, time_limit_s=5)
+    event("no schedule" if optimum is None else "recomputes" if optimum > c0 else "no recompute")
+    if bound > first_compute_cost_bound(p, budget) + 1e-9:
+        event("closure bound above knapsack bound")
+    if math.isinf(bound):
+        assert optimum is None  # "no schedule fits" must be true
+    elif optimum is not None:
+        assert c0 - 1e-9 <= bound <= optimum + 1e-9
 
 
 @given(p=dags(max_n=8))
@@ -302,8 +329,6 @@ def test_shared_resnet50_at_70_percent_is_proven_optimal() -> None:
 
 
 def test_reported_bound_is_at_least_the_first_computation_bound() -> None:
-    from memcompile.solver.remat import first_compute_cost_bound
-
     p = chain_with_skip()
     for budget in (12, 14, 19):
         result = solve_remat(p, budget, time_limit_s=5)
@@ -334,3 +359,52 @@ def test_greedy_plan_keeps_no_redundant_recomputation() -> None:
             gap_ok = all(b.start >= a.end + 2 for a, b in zip(mine, mine[1:]))
             fits = max(R._stage_loads(p, intervals, grid.horizon)) <= capacity
             assert not (gap_ok and fits), f"recomputation of {v} at stage {s} is redundant"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(dags(min_n=9, max_n=30), skip_chains(max_n=12)), data=st.data())
+def test_large_model_path_gives_valid_schedules_above_the_proven_bound(p: RematProblem, data) -> None:
+    # Force the path taken by models too large for CP-SAT (greedy variants + repair search).
+    from unittest import mock
+
+    from memcompile.solver import remat as R
+
+    p0, c0 = replay(p, baseline_schedule(p))
+    budget = data.draw(st.integers(min(peak_lower_bound(p), p0), p0), label="budget")
+    with mock.patch.object(R, "_LARGE_MODEL", -1):
+        result = solve_remat(p, budget, time_limit_s=2)
+    if not result.schedule:
+        assert result.status in NO_SCHEDULE
+        return
+    event(result.status)
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and (peak, cost) == (result.peak, result.cost)
+    assert c0 - 1e-9 <= result.proven_lower_bound <= cost + 1e-9
+
+
+def test_repair_search_never_makes_a_plan_worse_or_overfull() -> None:
+    import time
+
+    from memcompile.solver import remat as R
+
+    # A chain with skip edges whose first tensor is read at the end: several recomputations pay.
+    n = 24
+    preds = [() if v == 0 else tuple(sorted({v - 1} | ({v - 5} if v % 4 == 0 and v >= 5 else set()))) for v in range(n)]
+    preds[-1] = (0, n - 2)
+    names = tuple(f"n{v}" for v in range(n))
+    p = RematProblem(names, tuple(preds), tuple(1 + v % 5 for v in range(n)), tuple(3 + v % 7 for v in range(n)))
+    p0, _ = replay(p, baseline_schedule(p))
+    grid = R._make_grid(p, None, 3)
+    plans = {}
+    for fraction in (0.9, 0.85, 0.8, 0.75):
+        capacity = int(fraction * p0)
+        plan = R._greedy_computes(p, grid, capacity, time.monotonic() + 5, False)
+        if plan is not None and R._plan_cost(p, plan) > sum(p.cost):
+            plans[capacity] = plan
+    assert plans, "no budget needed recomputation: the example lost its point"
+    for capacity, plan in plans.items():
+        better = R._improve_by_repair(p, grid, plan, capacity, time.monotonic() + 1, seed=0)
+        assert R._plan_cost(p, better) <= R._plan_cost(p, plan)
+        intervals = R._intervals_from_computes(p, better)
+        assert max(R._stage_loads(p, intervals, grid.horizon)) <= capacity
+        assert replay(p, R._schedule_from_intervals(intervals))[0] <= capacity
