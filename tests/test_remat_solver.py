@@ -318,11 +318,11 @@ def test_shared_vgg16_graph_at_90_percent() -> None:
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark graphs not present")
 def test_shared_resnet50_at_70_percent_is_proven_optimal() -> None:
-    # Phase 1 (objective lower-bound search) proves this in ~1.5 s on 2 cores; 20 s leaves slack.
+    # Proven in ~1.5 s on 2 idle cores (13.5 s seen under a load of 20); the limit only caps a stuck run.
     p = load_graph(SHARED / "checkmate_resnet50_b256_train.json")
     p0, c0 = replay(p, baseline_schedule(p))
     budget = math.ceil(0.7 * p0)
-    result = solve_remat(p, budget, time_limit_s=20)
+    result = solve_remat(p, budget, time_limit_s=60)
     peak, cost = replay(p, result.schedule)
     assert peak <= budget and result.status == "optimal" and cost == result.cost
     assert result.lower_bound == pytest.approx(cost)
