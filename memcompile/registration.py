@@ -13,7 +13,8 @@ explicit option wins over the environment.
 Every graph compiled with equal options goes to one `Backend`, so the plans of a model, of its
 separately compiled blocks, or of its DDP buckets collect in one place:
 `memcompile.named_backend(options)` returns it, `memcompile.last_named_backend()` the backend the
-most recent graph compiled by name used.
+most recent graph compiled by name used. `torch.compiler.reset()` forgets them, as it forgets
+the graphs they planned.
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def compile_by_name(
         return _raising(error)
     _last = backend
     return backend(gm, example_inputs)
+
+
+def forget_named_backends() -> None:
+    """Drop the backends made by name; `torch.compiler.reset()` calls this (their graphs are gone too)."""
+    global _last
+    with _lock:
+        _named.clear()
+        _last = None
+
+
+# torch.compiler.reset() calls `reset()` on the backends Dynamo has cached, which for a backend
+# given by name forwards to the registered function.
+compile_by_name.reset = forget_named_backends  # type: ignore[attr-defined]
 
 
 def _raising(error: Exception) -> Callable:

@@ -112,3 +112,14 @@ def test_inductor_modes_are_refused_with_a_typed_error(monkeypatch):
     compiled = torch.compile(WithLoss(model), backend="memcompile", mode="max-autotune")
     with pytest.raises(memcompile.UnsupportedModeError, match="max-autotune"):
         compiled(x)
+
+
+def test_compiler_reset_forgets_the_named_backends():
+    model, x = build("mlp", 16, 1, 8)
+    options = {"budget": "2GB", **FAST}
+    torch.compile(WithLoss(model), backend="memcompile", options=dict(options))(x).backward()
+    before = memcompile.named_backend(options)
+    assert before.plans and memcompile.last_named_backend() is before
+    torch.compiler.reset()
+    assert memcompile.last_named_backend() is None
+    assert memcompile.named_backend(options) is not before and not memcompile.named_backend(options).plans
