@@ -1,18 +1,22 @@
 """DDP and FSDP2 with memcompile: 2 CPU processes on loopback (gloo), budget per rank.
 
-    python examples/distributed.py --engine ddp|fsdp2 [--nproc 2] [--codegen aot_eager] [--out DIR]
+    python examples/distributed.py --engine ENGINE [--engine ENGINE ...] [--nproc 2] [--out DIR]
+
+Engines (the wrap_* functions below): `ddp` (DDP, compiled, one bucket: one graph),
+`ddp_buckets` (DDPOptimizer splits the graph at 1 MB buckets), `fsdp2_whole` (one FSDP2 unit
+around a compiled block stack), `fsdp2_compiled_root` (one FSDP2 unit, the sharded root compiled),
+`fsdp2` (torchtitan: each block compiled, then sharded).
 
 Each rank runs the same training step twice from the same initial weights on its own batch:
 uncompiled (the reference) and compiled with memcompile by name. It writes to DIR (a temporary
-folder unless given) `rank<r>.json` (budget, reserve, measured peaks, plans) and the gradients of
-both runs (`rank<r>.pt`), and prints a summary.
+folder unless given) `<engine>_rank<r>.json` (budget, reserve, measured peaks, plans) and the
+gradients of both runs (`<engine>_rank<r>.pt`), and prints a summary.
 
-The budget is per device, that is per rank: what one process may hold. Memory the engine keeps
-outside the compiled step is the `reserve`:
-- DDP: the gradient buckets (one copy of every gradient, allocated when DDP is built).
-- FSDP2: nothing fixed beyond this rank's shards (counted as parameters); each block's gathered
-  parameters exist only while the block runs forward or backward, so with blocks sharded and
-  compiled one by one each block's graph sees just its own gathered parameters as inputs.
+The budget is per device, that is per rank: what one process may hold at its peak. Memory the
+engine holds outside the compiled graphs is the `reserve` (see reserve_bytes): DDP's gradient
+buckets; FSDP2's parameter and gradient shards and its reduce-scatter staging buffer. FSDP2
+gathers a unit's parameters only while the unit runs, so with blocks sharded and compiled one by
+one each block's graph sees just its own gathered parameters as inputs.
 """
 
 from __future__ import annotations
@@ -128,10 +132,22 @@ def wrap_fsdp2_whole(model: Net, options: dict | None) -> nn.Module:
     return model
 
 
-WRAP = {"ddp": wrap_ddp, "ddp_buckets": wrap_ddp_buckets, "fsdp2": wrap_fsdp2_per_block, "fsdp2_whole": wrap_fsdp2_whole}
+def wrap_fsdp2_compiled_root(model: Net, options: dict | None) -> nn.Module:
+    """One FSDP2 unit, the sharded root module itself compiled. torch 2.13 wraps FSDP2's hooks
+    in torch._dynamo.disable, so they run eagerly around the graph of the forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=_cpu_mesh())
+    if options is not None:
+        model.compile(backend="memcompile", options=dict(options))
+    return model
+
+
+WRAP = {"ddp": wrap_ddp, "ddp_buckets": wrap_ddp_buckets, "fsdp2_whole": wrap_fsdp2_whole,
+        "fsdp2_compiled_root": wrap_fsdp2_compiled_root, "fsdp2": wrap_fsdp2_per_block}
 # Per-rank budget as a fraction of the uncompiled rank's peak: low enough that memcompile must
 # recompute, high enough to be feasible (FSDP2's reserve for its shards and staging is larger).
-FRACTION = {"ddp": 0.8, "ddp_buckets": 0.8, "fsdp2": 0.9, "fsdp2_whole": 0.9}
+FRACTION = {"ddp": 0.8, "ddp_buckets": 0.8, "fsdp2_whole": 0.9, "fsdp2_compiled_root": 0.9, "fsdp2": 0.9}
 
 
 def local_grads(model: Net) -> list[torch.Tensor]:
@@ -162,7 +178,7 @@ def reserve_bytes(engine: str, model: Net, world: int) -> int:
     if engine.startswith("ddp"):
         return bucket_bytes(model)
     shards = 2 * -(-total // world)  # parameter and gradient shards, rounded up
-    largest_unit = total if engine == "fsdp2_whole" else max(
+    largest_unit = total if engine in ("fsdp2_whole", "fsdp2_compiled_root") else max(
         sum(p.nbytes for p in block.parameters()) for block in model.body.layers)
     return shards + largest_unit
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
-ENGINES = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2")
+ENGINES = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2_compiled_root", "fsdp2")
 RANKS = (0, 1)
 TIMEOUT_S = 600
 
@@ -69,7 +69,7 @@ def test_ddp_gradients_are_all_reduced(results, engine):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("engine", ["fsdp2_whole", "fsdp2"])
+@pytest.mark.parametrize("engine", ["fsdp2_whole", "fsdp2_compiled_root", "fsdp2"])
 def test_fsdp2_shards_reassemble_to_the_ddp_gradients(results, engine):
     """FSDP2 reduce-scatters the same mean DDP all-reduces (same model, same batches): this rank's
     rows of each gradient, concatenated over the ranks, are DDP's gradients."""
@@ -96,7 +96,7 @@ def test_ddp_optimizer_splits_at_buckets_and_each_piece_is_planned(results):
 
 
 @pytest.mark.parametrize("rank", RANKS)
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2_whole"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2_whole", "fsdp2_compiled_root"])
 def test_one_graph_per_rank_stays_within_the_per_rank_budget(results, engine, rank):
     r = _record(results, engine, rank)
     assert any(p["recomputed"] for p in r["plans"])  # the budget made memcompile recompute
