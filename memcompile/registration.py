@@ -1,7 +1,7 @@
 """The backend by name: `torch.compile(model, backend="memcompile", options={"budget": "20GB"})`.
 
 pyproject.toml registers `compile_by_name` under the `torch_dynamo_backends` entry point, which
-`torch._dynamo` reads the first time an unknown backend name is looked up. torch 2.13 then calls
+Dynamo reads the first time an unknown backend name is looked up. torch 2.13 then calls
 it once per captured graph as `compile_by_name(gm, example_inputs, options=...)` (`options` only
 when the user passed a non-empty dict, `mode` only when not "default").
 

@@ -60,8 +60,8 @@ def test_budget_from_the_environment_when_only_the_name_is_passed(monkeypatch):
     monkeypatch.setenv("MEMCOMPILE_RESERVE", "1GB")
     model, x = build("mlp", 16, 1, 8)
     expected = _grads(model, x, WithLoss(model))
-    # The name alone (as trainers pass it): codegen stays inductor's default, so check only options here,
-    # then compile with the FAST options plus the environment's budget.
+    # The name alone (as trainers pass it) would compile with Inductor: check what it parses to, then
+    # compile with only the fast codegen options, budget and reserve from the environment.
     assert registration.options_from(None) == make_options(3 * 10**9, reserve=10**9)
     got = _grads(model, x, torch.compile(WithLoss(model), backend="memcompile", options=dict(FAST)))
     for a, b in zip(expected, got):
