@@ -75,3 +75,15 @@ def test_hugging_face_trainer_tiny_llama():
     assert max(r.eager.step_peaks) > r.budget_bytes
     assert _recomputes(r.plans)
     assert max(r.compiled.step_peaks) <= r.budget_bytes
+
+
+def test_trainer_refuses_the_backend_by_name_hence_the_example_compiles_the_model_itself(tmp_path):
+    """README/hf_trainer.py say accelerate rejects torch_compile_backend="memcompile"; when it
+    stops rejecting it, this fails and the docs should recommend the argument instead."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    model = _example("hf_trainer").tiny_llama()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                          torch_compile_backend="memcompile")
+    with pytest.raises(ValueError, match="not a valid DynamoBackend"):
+        transformers.Trainer(model=model, args=args)
