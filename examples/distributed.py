@@ -86,8 +86,8 @@ def batch_for(rank: int, batch: int, seq: int, d: int) -> tuple[torch.Tensor, to
 
 def wrap_ddp(model: Net, options: dict | None, bucket_cap_mb: float | None = None) -> nn.Module:
     """DDP around the model, the DDP module compiled (as DDP's docs do it). With the default
-    bucket size this model's gradients fit one bucket: one graph. Gradients are views of the
-    buckets: otherwise DDP allocates every .grad again beside them."""
+    bucket size this model's gradients fit one bucket: one graph. `.grad` are views of the
+    buckets (gradient_as_bucket_view=True, DDP's memory-saving setting)."""
     ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb)
     if options is None:
         return ddp
@@ -256,6 +256,7 @@ def launch(engines: list[str], nproc: int = 2, codegen: str = "aot_eager", fract
            out: str | None = None) -> dict[str, list[dict]]:
     """Spawns `nproc` ranks on a free loopback port; returns {engine: [record of each rank]}."""
     out = out or tempfile.mkdtemp(prefix="memcompile-distributed-")
+    Path(out).mkdir(parents=True, exist_ok=True)
     mp.spawn(worker, args=(nproc, free_port(), list(engines), codegen, fraction, out), nprocs=nproc, join=True)
     return {e: [json.loads((Path(out) / f"{e}_rank{r}.json").read_text()) for r in range(nproc)] for e in engines}
 
