@@ -14,12 +14,14 @@ from memcompile.errors import InfeasibleBudgetError
 from memcompile.measure import PeakMeasurement, measure_peak
 from memcompile.options import Options, make_options, parse_bytes
 from memcompile.plan import Decision, Plan
+from memcompile.registration import MissingBudgetError, UnsupportedModeError, last_named_backend, named_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "Decision", "InfeasibleBudgetError", "Options", "PeakMeasurement", "Plan",
     "budget", "dump", "measure_peak", "parse_bytes",
+    "MissingBudgetError", "UnsupportedModeError", "last_named_backend", "named_backend",  # backend="memcompile"
 ]
 
 
