@@ -184,3 +184,36 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
 def transient_bytes(node: fx.Node) -> int:
     """Memory `node` needs only while it runs: kernel workspaces and dense copies of views."""
     return kernel_workspace_bytes(node) + layout_copy_bytes(node)
+
+
+# -- what the user and torch say about a node --------------------------------------------------
+
+_BUILTIN_NAMESPACES = ("aten", "prims")
+
+
+def is_builtin_op(node: fx.Node) -> bool:
+    """An aten/prims operator overload (what AOTAutograd decomposes to). Custom ops
+    (torch.library), higher-order ops and plain Python callables are not: their purity, their
+    use of the random generator and their cost are unknown to us."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    namespace = getattr(node.target, "namespace", None)
+    return hasattr(node.target, "_schema") and namespace in _BUILTIN_NAMESPACES
+
+
+def checkpoint_policy(node: fx.Node) -> str:
+    """The user's activation-checkpoint policy for `node` ("" when none): "MUST_SAVE",
+    "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE", "MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD".
+
+    torch.utils.checkpoint regions and selective-checkpoint policies reach the joint graph as
+    `node.meta["recompute"]` (a CheckpointPolicy; plain `checkpoint()` tags PREFER_RECOMPUTE).
+    Torch also forces some nodes to MUST_SAVE (boundaries between consecutive checkpoint regions,
+    effectful ops, sources of backward mutations): those are hard too.
+    """
+    tag = node.meta.get("recompute")
+    if tag is None:
+        return ""
+    name = getattr(tag, "name", None) or str(tag).rsplit(".", 1)[-1]
+    return name
