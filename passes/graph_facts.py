@@ -181,9 +181,34 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
         return 4 * sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
 
 
+def promotion_copy_bytes(node: fx.Node) -> int:
+    """Bytes of the converted copies a pointwise op makes of inputs whose dtype is not the one it
+    computes in (CPU TensorIterator materialises them: `bool_mask * x` allocates a float copy
+    of the mask, measured with torch 2.13), plus the product `prims.fma` (a*b + c) materialises
+    when it runs eagerly."""
+    if not is_pointwise(node):
+        return 0
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return 0
+    if "fma" in str(node.target):
+        return tensor_nbytes(out)
+    inputs = [i.meta.get("val") for i in node.all_input_nodes]
+    if "where" in str(node.target):
+        inputs = inputs[1:]  # the condition is read as it is
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if len(tensors) < 2:
+        return 0
+    common = tensors[0].dtype
+    for t in tensors[1:]:
+        common = torch.promote_types(common, t.dtype)
+    return sum(t.numel() * common.itemsize for t in tensors if t.dtype != common and isinstance(t.numel(), int))
+
+
 def transient_bytes(node: fx.Node) -> int:
-    """Memory `node` needs only while it runs: kernel workspaces and dense copies of views."""
-    return kernel_workspace_bytes(node) + layout_copy_bytes(node)
+    """Memory `node` needs only while it runs: kernel workspaces, dense copies of views and
+    converted copies of mixed-dtype inputs."""
+    return kernel_workspace_bytes(node) + layout_copy_bytes(node) + promotion_copy_bytes(node)
 
 
 # -- what the user and torch say about a node --------------------------------------------------
