@@ -192,7 +192,7 @@ def _markdown(runs: list[Run], ranges: dict, seconds: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budgets-per-scenario", type=int, default=21)
+    parser.add_argument("--budgets-per-scenario", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="3 budgets over 3 scenarios (smoke run, no files)")
     args = parser.parse_args()
     scenarios = SCENARIOS[:3] if args.quick else SCENARIOS
