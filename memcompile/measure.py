@@ -47,6 +47,21 @@ def _all_live_cpu_tensors() -> list[torch.Tensor]:
     return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
 
 
+def _check_measure_arguments(fn: object, live_at_start: object, device: object) -> None:
+    """TypeError/ValueError naming the argument and what is accepted."""
+    if not callable(fn):
+        raise TypeError(f"measure_peak(fn=...): fn must be callable (the step to measure), got {type(fn).__name__}")
+    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"measure_peak(device={device!r}): expected 'cpu', 'cuda' or 'cuda:N'")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"measure_peak(device={device!r}): CUDA is not available in this process; use device='cpu'")
+    if live_at_start is None:
+        return
+    if isinstance(live_at_start, (torch.Tensor, torch.nn.Module)) or not isinstance(live_at_start, Iterable):
+        raise TypeError("measure_peak(live_at_start=...): expected an iterable of modules and tensors "
+                        f"(e.g. [model, x]), got {type(live_at_start).__name__}")
+
+
 def measure_peak(
     fn: Callable[..., Any], *args: Any, live_at_start: Iterable[object] | None = None,
     device: str = "cpu", **kwargs: Any,
@@ -58,6 +73,7 @@ def measure_peak(
     start: `live_at_start` (modules, counting parameters, buffers and grads, and tensors) or, when
     None, every CPU tensor the garbage collector can find.
     """
+    _check_measure_arguments(fn, live_at_start, device)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
@@ -66,6 +82,12 @@ def measure_peak(
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         return PeakMeasurement(peak, start, peak - start, device, result)
+    if live_at_start is not None:
+        live_at_start = list(live_at_start)
+        wrong = [type(t).__name__ for t in live_at_start if not isinstance(t, (torch.Tensor, torch.nn.Module))]
+        if wrong:
+            raise TypeError("measure_peak(live_at_start=...): expected modules and tensors only, "
+                            f"got {', '.join(sorted(set(wrong)))}")
     tensors = _tensors_of(live_at_start) if live_at_start is not None else _all_live_cpu_tensors()
     start = _unique_storage_bytes(tensors)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

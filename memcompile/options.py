@@ -45,6 +45,16 @@ def parse_bytes(value: object, *, name: str = "limit", allow_zero: bool = False)
 CODEGENS = ("inductor", "aot_eager")
 
 
+def _is_device_name(device: object) -> bool:
+    """A cost profile memcompile has (cost_models/device.py: cpu, cuda, datasheet GPUs)."""
+    from memcompile.cost_models.device import DATASHEET_PROFILES
+
+    if not isinstance(device, str):
+        return False
+    name = device.lower()
+    return name in ("cpu", "cuda") or name in DATASHEET_PROFILES or re.fullmatch(r"cuda:[0-9]+", name) is not None
+
+
 @dataclass(frozen=True)
 class Options:
     budget_bytes: int  # peak bytes of one forward+backward step (see README: budget semantics)
@@ -84,8 +94,9 @@ def make_options(limit: object, **overrides: object) -> Options:
     if codegen not in CODEGENS:
         raise ValueError(f"codegen={codegen!r}: expected one of {CODEGENS}")
     device = overrides.pop("device", None)
-    if device is not None and not isinstance(device, str):
-        raise ValueError(f"device={device!r}: expected a name such as 'cpu', 'cuda', 'h100', or None")
+    if device is not None and not _is_device_name(device):
+        raise ValueError(f"device={device!r}: expected None (the inputs' device), 'cpu', 'cuda', 'cuda:N', "
+                         "'a100', 'h100' or 'h200'")
     workers = overrides.pop("workers", 2)
     seed = overrides.pop("seed", 0)
     for key, val in (("workers", workers), ("seed", seed)):

@@ -473,8 +473,10 @@ _RENDERERS = {"text": to_text, "json": to_json, "html": to_html}
 
 def dump(obj: object, format: str = "text", path: str | Path | None = None) -> str:
     """Render the plans of `obj` (see plans_of) as text, JSON or HTML; also write to `path` if given."""
-    if format not in _RENDERERS:
+    if not isinstance(format, str) or format not in _RENDERERS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if path is not None and not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a str or pathlib.Path (or None), got {type(path).__name__}")
     rendered = _RENDERERS[format](plans_of(obj))
     if path is not None:
         Path(path).write_text(rendered, encoding="utf-8")

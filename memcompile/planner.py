@@ -18,7 +18,12 @@ from memcompile import _torch_private as tp
 from memcompile.cost_models.device import profile_for
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.options import Options
-from memcompile.passes.activation_analysis import JointAnalysis, analyze_joint_graph
+from memcompile.passes.activation_analysis import (
+    MUST_RECOMPUTE_REASON,
+    MUST_SAVE,
+    JointAnalysis,
+    analyze_joint_graph,
+)
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.stored_forms import StoreOptions
@@ -86,7 +91,7 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
         val = node.meta.get("val")
         recomputed = i in solution.recompute
         if recomputed:
-            reason = "" if problem.can_keep[i] else "view of an activation: keeping it would pin its base"
+            reason = "" if problem.can_keep[i] else analysis.cannot_keep_reason[i]
         else:
             reason = analysis.cannot_recompute_reason[i]
         if i in solution.keep and analysis.not_stored_reason and analysis.not_stored_reason[i]:
@@ -115,7 +120,7 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
     return tuple(rows)
 
 
-def plan_joint_graph(
+def _plan_joint_graph(
     joint: fx.GraphModule,
     joint_inputs,
     *,
@@ -230,7 +235,66 @@ def _infeasible(options: Options, attempt: _Attempt, analysis: JointAnalysis) ->
         + f"). The smallest budget that works is {format_bytes(need)} (min_feasible_bytes={need}). "
         f"At its peak ({attempt.timeline.peak_step.phase} node {attempt.timeline.peak_step.node}): {parts}."
         + (f" Largest activations still kept by that plan: {tops}." if tops else "")
+        + _annotation_note(attempt, analysis)
         + " Raise the budget, or reduce batch size / model size."
     )
     return InfeasibleBudgetError(message, budget_bytes=options.budget_bytes, min_feasible_bytes=need,
                                  contributors=tuple(breakdown))
+
+
+def _annotation_note(attempt: _Attempt, analysis: JointAnalysis) -> str:
+    """What the checkpoint annotations (MUST_SAVE / MUST_RECOMPUTE) force on the least-peak plan."""
+    problem = analysis.problem
+    saved = [i for i in attempt.solution.keep if analysis.cannot_recompute_reason[i].startswith(MUST_SAVE)]
+    forced = [i for i in attempt.solution.recompute if analysis.cannot_keep_reason[i] == MUST_RECOMPUTE_REASON]
+    if not saved and not forced:
+        return ""
+    return (f" Checkpoint annotations constrain it: {len(saved)} MUST_SAVE activation(s) "
+            f"({format_bytes(sum(problem.nbytes[i] for i in saved))}) are kept and "
+            f"{len(forced)} MUST_RECOMPUTE one(s) recomputed whatever the budget; "
+            "relaxing them to PREFER_* lets memcompile choose.")
+
+
+def plan_joint_graph(
+    joint: fx.GraphModule,
+    joint_inputs,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None,
+    options: Options,
+    graph_id: str,
+) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
+    """`_plan_joint_graph`, with a last resort: if planning itself fails (a bug, an op a pass
+    cannot read), PyTorch's own partition runs, with a warning, instead of killing the run.
+    An infeasible budget is not a failure: InfeasibleBudgetError propagates."""
+    try:
+        return _plan_joint_graph(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                 static_lifetime_input_indices=static_lifetime_input_indices,
+                                 options=options, graph_id=graph_id)
+    except InfeasibleBudgetError:
+        raise
+    except Exception as error:  # noqa: BLE001 - degrade to the stock partition, never abort training
+        log.warning("memcompile: planning %s failed (%s: %s); using PyTorch's default partition, "
+                    "which does not honour the budget", graph_id, type(error).__name__, error,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        return _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
+                               options, graph_id, error)
+
+
+def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, options, graph_id, error):
+    fw, bw = tp.stock_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                static_lifetime_input_indices=static_lifetime_input_indices)
+    try:
+        timeline = analyze_liveness(fw, bw, num_fwd_outputs)
+        peak, steps = timeline.peak_bytes, tuple(s.live_bytes for s in timeline.steps)
+        phase, node, breakdown = timeline.peak_step.phase, timeline.peak_step.node, timeline.peak_breakdown
+    except Exception:  # noqa: BLE001 - the prediction is informative only here
+        peak, steps, phase, node, breakdown = 0, (), "", "", ()
+    plan = Plan(
+        graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,
+        predicted_peak_before_bytes=peak, predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
+        peak_breakdown=breakdown, decisions=(), added_time_s=0.0,
+        solver_status=f"stock_fallback ({type(error).__name__})", solve_s=0.0, gap=0.0,
+        live_bytes_before=steps, live_bytes_after=steps,
+    )
+    return fw, bw, plan

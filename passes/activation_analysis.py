@@ -6,6 +6,7 @@ AOTAutograd runs them; recomputed nodes are slotted in just before their first b
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ from memcompile import _torch_private as tp
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.node_cost import estimate_node_time_s
 from memcompile.passes.graph_facts import (
+    checkpoint_policy,
+    is_builtin_op,
     transient_bytes,
     is_aliasing_op,
     is_getitem,
@@ -27,6 +30,7 @@ from memcompile.passes.stored_forms import StoreOptions, store_choices_for
 from memcompile.solver.activations import ActivationProblem
 
 NEVER = -1
+log = logging.getLogger("memcompile")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class JointAnalysis:
     backward_nodes: tuple[fx.Node, ...]
     static_lifetime_inputs: frozenset[fx.Node]
     cannot_recompute_reason: tuple[str, ...]
+    cannot_keep_reason: tuple[str, ...] = ()
     not_stored_reason: tuple[str, ...] = ()  # why quantize/offload were not offered, per candidate
 
 
@@ -56,19 +61,56 @@ def _alias_base(node: fx.Node) -> fx.Node | None:
     return None
 
 
+# Reasons a candidate may not be recomputed (shown in the plan's decisions).
+RANDOM_OP = "random op (recomputing would draw new random numbers; kept instead)"
+MUTATES = "mutates its input"
+MUST_SAVE = "marked MUST_SAVE (checkpoint policy)"
+OFFLOAD_TAG = "marked *_CPU_OFFLOAD (checkpoint policy): saved, not recomputed"
+UNKNOWN_OP = "op outside aten/prims (custom or higher-order op): purity and cost unknown"
+NO_COST = "its recompute cost could not be estimated"
+VIEW_OF_ACTIVATION = "view of an activation: keeping it would pin its base"
+MUST_RECOMPUTE_REASON = "marked MUST_RECOMPUTE (checkpoint policy)"
+
+
 def _recompute_ban(node: fx.Node) -> str:
-    """Why `node` may not be recomputed in backward ('' when it may)."""
+    """Why `node` may not be recomputed in backward ('' when it may).
+
+    Everything downstream of a random op stays recomputable: it is recomputed from the kept
+    random tensor, so it sees the same numbers (e.g. a dropout mask from a kept `rand`).
+    """
     unit = compute_unit(node)
     if unit.op != "call_function":
         return "not an op"
     if is_random_op(unit):
-        return "random op (would draw new random numbers)"
+        return RANDOM_OP
     if is_mutating_op(unit):
-        return "mutates its input"
-    recompute_tag = str(unit.meta.get("recompute", ""))
-    if "MUST_SAVE" in recompute_tag or "PREFER_SAVE" in recompute_tag:
-        return "marked must-save"
+        return MUTATES
+    policy = checkpoint_policy(unit)
+    if policy == "MUST_SAVE":
+        return MUST_SAVE
+    if policy.endswith("CPU_OFFLOAD"):
+        return OFFLOAD_TAG
+    if not is_builtin_op(unit):
+        return UNKNOWN_OP
     return ""
+
+
+def must_recompute(node: fx.Node) -> bool:
+    """The user's MUST_RECOMPUTE: never kept (when it can be recomputed at all).
+
+    PREFER_SAVE / PREFER_RECOMPUTE (plain `checkpoint()` tags every op PREFER_RECOMPUTE) are
+    preferences the budget overrides: the solver already picks the fastest plan that fits, so
+    they do not enter the problem.
+    """
+    return checkpoint_policy(compute_unit(node)) == "MUST_RECOMPUTE"
+
+
+def _recompute_cost_s(unit: fx.Node, profile: DeviceProfile) -> float | None:
+    """Roofline time of one run of `unit`; None when the cost model cannot read the node."""
+    try:
+        return float(estimate_node_time_s(unit, profile))
+    except Exception:  # noqa: BLE001 - an op the cost model does not know must not fail the compile
+        return None
 
 
 def analyze_joint_graph(
@@ -174,10 +216,14 @@ def analyze_joint_graph(
             add(size, step[n], max(end, step[n]))
 
     store_choices, created_at, not_stored = [], [], []
-    names, nbytes, costs, can_keep, can_recompute, bans = [], [], [], [], [], []
+    names, nbytes, costs, can_keep, can_recompute, bans, keep_bans = [], [], [], [], [], [], []
     first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
-    cost_of_unit: dict[fx.Node, float] = {}
+    cost_of_unit: dict[fx.Node, float | None] = {}
     backward_start = len(forward_nodes)
+    # MUST_SAVE on a view of an activation pins the storage it views: the base is saved and the
+    # (free) view recomputed from it.
+    pinned_bases = {root[c] for c in candidates
+                    if _alias_base(c) is not None and checkpoint_policy(compute_unit(c)) == "MUST_SAVE"}
     for c in candidates:
         base = _alias_base(c)
         own_bytes = 0 if base is not None else tensor_nbytes(c.meta.get("val"))
@@ -189,15 +235,39 @@ def analyze_joint_graph(
         if unit not in cost_of_unit:
             # Unclaimed nodes (forward values only the backward reads) run once either way:
             # computing them in backward is not a re-computation.
-            cost_of_unit[unit] = estimate_node_time_s(unit, profile) if in_forward else 0.0
+            cost_of_unit[unit] = _recompute_cost_s(unit, profile) if in_forward else 0.0
         ban = _recompute_ban(c)
+        is_view_of_activation = base is not None and root[c] not in primal_set
+        if is_view_of_activation and ban == MUST_SAVE:
+            ban = ""
+        elif c in pinned_bases and not ban:
+            ban = MUST_SAVE
+        if not ban and cost_of_unit[unit] is None:
+            ban = NO_COST
+        if ban and must_recompute(c):
+            log.warning("memcompile: %s is marked MUST_RECOMPUTE but cannot be recomputed (%s): it is kept",
+                        c.name, ban)
+            ban += "; its MUST_RECOMPUTE cannot be honoured"
+        cost = cost_of_unit[unit] or 0.0
         names.append(c.name)
         nbytes.append(own_bytes)
-        costs.append(cost_of_unit[unit])
+        costs.append(cost)
         # Keeping a view of an activation would pin its base: recompute the (free) view instead.
         # Keeping an unclaimed node would run it (and its inputs' lifetimes) at the end of
         # forward, which the model does not describe: compute it in backward instead.
-        can_keep.append((base is None or root[c] in primal_set) and (in_forward or ban != ""))
+        # The user's MUST_RECOMPUTE forbids keeping, where recomputing is allowed at all.
+        if ban:
+            keep_ban = ""  # keeping is the only way left (the solver needs one of the two)
+        elif is_view_of_activation:
+            keep_ban = VIEW_OF_ACTIVATION
+        elif must_recompute(c):
+            keep_ban = MUST_RECOMPUTE_REASON
+        elif not in_forward:
+            keep_ban = "computed in backward only"
+        else:
+            keep_ban = ""
+        can_keep.append(keep_ban == "")
+        keep_bans.append(keep_ban)
         can_recompute.append(ban == "")
         bans.append(ban)
         first_read.append(bw_first_read.get(c, num_steps))
@@ -242,5 +312,6 @@ def analyze_joint_graph(
         backward_nodes=backward_nodes,
         static_lifetime_inputs=frozenset(tp.static_lifetime_nodes(joint, static_lifetime_input_indices)),
         cannot_recompute_reason=tuple(bans),
+        cannot_keep_reason=tuple(keep_bans),
         not_stored_reason=tuple(not_stored),
     )

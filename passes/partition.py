@@ -103,6 +103,7 @@ def _insert_stored_forms(joint, analysis: JointAnalysis, recompute: frozenset[in
         backward_nodes=tuple(backward_nodes),
         static_lifetime_inputs=frozenset(new(n) for n in analysis.static_lifetime_inputs),
         cannot_recompute_reason=analysis.cannot_recompute_reason,
+        cannot_keep_reason=analysis.cannot_keep_reason,
         not_stored_reason=analysis.not_stored_reason,
     )
     return module, mapped, saved_forms

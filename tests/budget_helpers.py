@@ -1,0 +1,71 @@
+"""Helpers shared by the robustness tests: compile a step under a budget, find a model's
+budget range, run one measured step, collect gradients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import memcompile
+
+
+def compile_under(module: torch.nn.Module, limit, **options) -> tuple[memcompile.Backend, Callable]:
+    """`module` (which returns the loss) compiled with memcompile, FX-interpreter codegen."""
+    options.setdefault("codegen", "aot_eager")
+    options.setdefault("time_limit_s", 5)
+    backend = memcompile.budget(limit, **options)
+    return backend, torch.compile(module, backend=backend)
+
+
+def grads(params: list[torch.Tensor], step: Callable[[], torch.Tensor], seed: int | None = None) -> list[torch.Tensor]:
+    """Gradients of `params` after one `step().backward()`, seeded when `seed` is given."""
+    for p in params:
+        p.grad = None
+    if seed is not None:
+        torch.manual_seed(seed)
+    step().backward()
+    return [p.grad.clone() for p in params]
+
+
+def budget_range(module: torch.nn.Module, x: torch.Tensor, **options) -> tuple[int, int]:
+    """(min_feasible_bytes, predicted peak with every activation kept) of `module(x)`."""
+    backend, compiled = compile_under(module, 10**12, **options)
+    compiled(x).backward()
+    high = backend.plans[0].predicted_peak_before_bytes
+    torch.compiler.reset()
+    _, compiled = compile_under(module, 1, **options)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+        compiled(x)
+    torch.compiler.reset()
+    return info.value.min_feasible_bytes, high
+
+
+@dataclass(frozen=True)
+class Step:
+    plan: memcompile.Plan
+    measured_peak_bytes: int
+    grads: list[torch.Tensor]
+
+
+def run_step(module: torch.nn.Module, x: torch.Tensor, params: list[torch.Tensor], limit,
+             seed: int | None = None, **options) -> Step:
+    """Compile under `limit`, run one warm-up step, then one measured step (seeded)."""
+    backend, compiled = compile_under(module, limit, **options)
+    try:
+        grads(params, lambda: compiled(x), seed)
+        for p in params:
+            p.grad = None
+        if seed is not None:
+            torch.manual_seed(seed)
+        measured = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[module, x])
+    finally:
+        torch.compiler.reset()
+    return Step(backend.plans[0], measured.peak_bytes, [p.grad.clone() for p in params])
+
+
+def assert_within_budget(step: Step, budget: int) -> None:
+    assert step.plan.predicted_peak_bytes <= budget
+    assert step.measured_peak_bytes <= budget, f"measured {step.measured_peak_bytes} > budget {budget}"
