@@ -1,0 +1,45 @@
+"""Sizes to plan symbolic shapes for.
+
+A graph compiled with dynamic shapes has symbolic sizes (`s0`); by default a plan is made for the
+size each symbol had when it was traced (its hint). The backend re-plans a graph for larger
+sizes by setting `planning_sizes({s0: 512})` around the compile: every byte count the planner
+makes (`graph_facts.tensor_nbytes`) then substitutes those values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Mapping
+
+import torch
+
+_SIZES: contextvars.ContextVar[Mapping[object, int]] = contextvars.ContextVar("memcompile_sizes", default={})
+
+
+@contextlib.contextmanager
+def planning_sizes(sizes: Mapping[object, int]) -> Iterator[None]:
+    """Plan with these values for these symbols (sympy symbols of the graph's shape env)."""
+    token = _SIZES.set(dict(sizes))
+    try:
+        yield
+    finally:
+        _SIZES.reset(token)
+
+
+def size_value(value: object, unknown: int = 4096) -> int:
+    """An int from an int or SymInt: the planning size if one is set, else its trace-time hint."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    sizes = _SIZES.get()
+    if sizes:
+        expr = value.node.expr.xreplace(sizes)
+        if expr.is_number:
+            return int(expr)
+    hint = value.node.hint
+    return int(hint) if hint is not None else unknown
+
+
+def planning_sizes_now() -> dict[object, int]:
+    """The sizes set by the innermost `planning_sizes`, or {} (trace-time hints)."""
+    return dict(_SIZES.get())
