@@ -224,26 +224,34 @@ class _Region:
             self.backend.errors.append(error)
             raise
 
-    def _grow_sizes(self, args: Sequence[Any]) -> None:
+    def _grown_sizes(self, args: Sequence[Any]) -> dict[object, int]:
+        """The sizes to plan for: the largest seen, including this call's."""
+        sizes = dict(self.sizes)
         for i, d, symbol in self.sites:
-            value = args[i] if d is None else args[i].shape[d]
-            if int(value) > self.sizes.get(symbol, 0):
-                log.info("memcompile: size %s=%d exceeds the %d planned for; re-planning", symbol, int(value),
-                         self.sizes.get(symbol, 0))
-                self.sizes[symbol] = int(value)
+            value = int(args[i] if d is None else args[i].shape[d])
+            if value > sizes.get(symbol, 0):
+                log.info("memcompile: size %s=%d exceeds the %d planned for; re-planning", symbol, value,
+                         sizes.get(symbol, 0))
+                sizes[symbol] = value
+        return sizes
 
     def __call__(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return next(reversed(self.variants.values())).fn(*args)
         ledger = self.backend.ledger
-        self._grow_sizes(args)
+        planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
         position = ledger.begin_call()
         outside = ledger.outside_bytes(position)
         first, self._first = self._first, None
-        if first is not None and first[0] == position:
+        if first is not None and first[0] == position and planned_sizes == self.sizes:
             variant = first[1]
         else:
-            variant = self.variants.get(self._key(outside)) or self._replan(position, outside)
+            try:
+                variant = self.variants.get(self._key(outside)) or self._replan(position, outside)
+            except InfeasibleBudgetError:
+                self.sizes = planned_sizes  # smaller sizes keep running under their plan
+                ledger.cancel_call(position)
+                raise
         # Leaf inputs (parameters, the user's tensors) are held by the caller all step; the
         # others are activations of an earlier region. The same graph can be called with both
         # (one compiled block per position), so this is read at every call.

@@ -116,6 +116,12 @@ class StepLedger:
         with self._lock:
             return 0 if self._backward_seen else self._position
 
+    def cancel_call(self, position: int) -> None:
+        """The call at `position` raised before running: it holds nothing."""
+        with self._lock:
+            if self._position == position + 1:
+                self._position = position
+
     def backward_ran(self) -> None:
         with self._lock:
             self._backward_seen = True

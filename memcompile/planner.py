@@ -22,6 +22,7 @@ from memcompile.passes.activation_analysis import JointAnalysis, analyze_joint_g
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.plan import Decision, Plan, format_bytes
+from memcompile.sizes import size_value
 from memcompile.solver.activations import (
     ActivationSolution,
     close_decisions,
@@ -82,7 +83,7 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
         rows.append(Decision(
             name=node.name,
             op=str(getattr(node.target, "__name__", node.target)),
-            shape=tuple(int(s) for s in getattr(val, "shape", ())),
+            shape=tuple(size_value(s) for s in getattr(val, "shape", ())),  # int() would specialise a SymInt
             dtype=str(getattr(val, "dtype", "")).replace("torch.", ""),
             nbytes=problem.nbytes[i],
             choice="recompute" if recomputed else "keep",

@@ -15,15 +15,19 @@ from typing import Iterator, Mapping
 import torch
 
 _SIZES: contextvars.ContextVar[Mapping[object, int]] = contextvars.ContextVar("memcompile_sizes", default={})
+# expression -> int under the current sizes (sympy substitution is slow; planners ask often)
+_VALUES: contextvars.ContextVar[dict] = contextvars.ContextVar("memcompile_size_values", default={})
 
 
 @contextlib.contextmanager
 def planning_sizes(sizes: Mapping[object, int]) -> Iterator[None]:
     """Plan with these values for these symbols (sympy symbols of the graph's shape env)."""
     token = _SIZES.set(dict(sizes))
+    values_token = _VALUES.set({})
     try:
         yield
     finally:
+        _VALUES.reset(values_token)
         _SIZES.reset(token)
 
 
@@ -32,10 +36,17 @@ def size_value(value: object, unknown: int = 4096) -> int:
     if not isinstance(value, torch.SymInt):
         return int(value)
     sizes = _SIZES.get()
-    if sizes:
-        expr = value.node.expr.xreplace(sizes)
-        if expr.is_number:
-            return int(expr)
+    expr = value.node.expr
+    if sizes and hasattr(expr, "xreplace"):
+        values = _VALUES.get()
+        if expr not in values:
+            substituted = expr.xreplace(sizes)
+            is_number = isinstance(substituted, int) or getattr(substituted, "is_number", False)
+            values[expr] = int(substituted) if is_number else None
+        if values[expr] is not None:
+            return values[expr]
+    elif getattr(expr, "is_number", False) or isinstance(expr, int):
+        return int(expr)
     hint = value.node.hint
     return int(hint) if hint is not None else unknown
 

@@ -91,7 +91,7 @@ def _warm_up(backend, compiled, model, x, max_steps: int) -> int:
 
 
 def _unconstrained_step_peak(model, x, regions: int) -> int:
-    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=5)
+    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=2)
     compiled = torch.compile(model, backend=backend)
     _warm_up(backend, compiled, model, x, regions + 3)
     torch.compiler.reset()
@@ -101,7 +101,7 @@ def _unconstrained_step_peak(model, x, regions: int) -> int:
 def _check_step(model, x, budget: int, regions: int, tol) -> dict:
     """Compile under `budget`, warm up, measure one step; asserts the budget and eager gradients."""
     expected = _grads(model, x, model)
-    backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=5)
+    backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=2)
     compiled = torch.compile(model, backend=backend)
     _warm_up(backend, compiled, model, x, regions + 3)
     model.zero_grad(set_to_none=True)
@@ -172,7 +172,7 @@ def test_per_block_compilation_shares_one_budget():
         return inp.pow(2).mean()
 
     expected = _grads(blocks, x, lambda inp: run(blocks, inp))
-    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=5)
+    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=2)
     compiled = [torch.compile(b, backend=backend) for b in blocks]
     for _ in range(4):
         _grads(blocks, x, lambda inp: run(compiled, inp))
@@ -180,7 +180,7 @@ def test_per_block_compilation_shares_one_budget():
     assert len(backend.ledger.footprints()) == 4
     torch.compiler.reset()
     budget = high - 32768  # one hidden activation of the last block less
-    backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=5)
+    backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=2)
     compiled = [torch.compile(b, backend=backend) for b in blocks]
     for _ in range(6):
         got = _grads(blocks, x, lambda inp: run(compiled, inp))
@@ -200,13 +200,13 @@ def test_per_block_compilation_shares_one_budget():
 def test_infeasible_total_raises_the_typed_error():
     """Every region fits the budget alone, the step does not: the typed error, before running over."""
     model, x = _build("dense", 4, 32, 256, "tanh", frozenset({0, 1, 2}), torch.float32)
-    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=5)
+    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=2)
     compiled = torch.compile(model, backend=backend)
     _warm_up(backend, compiled, model, x, 7)
     one_region = max(p.predicted_peak_bytes for p in backend.plans)
     torch.compiler.reset()
     budget = one_region + 1024
-    backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=5)
+    backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=2)
     compiled = torch.compile(model, backend=backend)
     with pytest.raises(memcompile.InfeasibleBudgetError) as info:
         for _ in range(7):
