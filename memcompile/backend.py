@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextvars
 import copy
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
-import pathlib
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -23,6 +21,7 @@ from memcompile.errors import InfeasibleBudgetError
 from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes
 from memcompile.options import Options
 from memcompile.plan import Plan, format_bytes
+from memcompile.plan_cache import source_hash
 from memcompile.planner import plan_joint_graph
 from memcompile.sizes import planning_sizes, planning_sizes_now
 
@@ -33,20 +32,6 @@ log = logging.getLogger("memcompile")
 _BACKENDS: "weakref.WeakValueDictionary[int, Backend]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 _lock = threading.Lock()
-
-
-def _source_hash() -> str:
-    """Changes whenever memcompile's code does: part of every cache key."""
-    root = pathlib.Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.read_bytes())
-    for sub in ("passes", "cost_models"):
-        # installed layout: memcompile/passes; editable layout resolves to the repo's folders
-        pkg = __import__(f"memcompile.{sub}", fromlist=["_"])
-        for path in sorted(pathlib.Path(pkg.__file__).parent.glob("*.py")):
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -94,7 +79,7 @@ class Partitioner(tp.PartitionerBase):
 
     def uuid(self) -> str:
         # Budget, options, code and torch version: a cached graph is never reused under another plan.
-        return f"memcompile-{_source_hash()}-{tp.TORCH_VERSION}-{self.options.describe()}"
+        return f"memcompile-{source_hash()}-{tp.TORCH_VERSION}-{self.options.describe()}"
 
     def __reduce__(self):
         return (Partitioner, (self.options, self.backend_id))

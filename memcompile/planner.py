@@ -22,6 +22,7 @@ from memcompile.passes.activation_analysis import JointAnalysis, analyze_joint_g
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.plan import Decision, Plan, format_bytes
+from memcompile.plan_cache import solve_cached
 from memcompile.sizes import size_value
 from memcompile.solver.activations import (
     ActivationSolution,
@@ -168,8 +169,8 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
     """The solver's plan; if the solver itself fails (a bug, an OR-Tools error), the greedy plan,
     with a warning: a crash here would kill the user's run."""
     try:
-        return solve_activation_plan(problem, target, time_limit_s=time_limit_s,
-                                     workers=options.workers, seed=options.seed)
+        return solve_cached(solve_activation_plan, problem, target, time_limit_s=time_limit_s,
+                            workers=options.workers, seed=options.seed)
     except Exception as error:  # noqa: BLE001 - any solver failure must degrade, not abort
         log.warning("memcompile: the solver failed (%s: %s); using the greedy plan", type(error).__name__, error)
         plan = greedy_plan(problem, target)
@@ -179,8 +180,8 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
 
 def _least_peak_attempt(joint, analysis, num_fwd_outputs, options) -> tuple[_Attempt, float]:
     """The plan with the least peak we can find (deterministically): min-peak under the model."""
-    least = solve_min_peak(analysis.problem, time_limit_s=options.time_limit_s,
-                           workers=options.workers, seed=options.seed)
+    least = solve_cached(solve_min_peak, analysis.problem, time_limit_s=options.time_limit_s,
+                         workers=options.workers, seed=options.seed)
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs)
     return attempt, least.solve_s
 
