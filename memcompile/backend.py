@@ -221,8 +221,9 @@ class _Region:
         return sizes
 
     def __call__(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return next(reversed(self.variants.values())).fn(*args)
+        latest = next(reversed(self.variants.values()))
+        if not torch.is_grad_enabled() or latest.plan is None:
+            return latest.fn(*args)  # inference graphs are not planned: nothing to re-plan
         ledger = self.backend.ledger
         planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
         position = ledger.begin_call()

@@ -213,3 +213,45 @@ def test_infeasible_total_raises_the_typed_error():
             compiled(x).backward()
     assert info.value.min_feasible_bytes > budget
     assert backend.errors and backend.errors[-1] is info.value
+
+
+def test_ledger_counts_what_each_position_overlaps_with():
+    from memcompile.ledger import Footprint, StepLedger
+
+    a = Footprint(own_peak_bytes=100, params_bytes=10, inputs_bytes=0, saved_bytes=30, grads_bytes=10)
+    b = Footprint(own_peak_bytes=200, params_bytes=20, inputs_bytes=5, saved_bytes=40, grads_bytes=20)
+    c = Footprint(own_peak_bytes=150, params_bytes=40, inputs_bytes=7, saved_bytes=50, grads_bytes=40)
+    ledger = StepLedger()
+    for footprint in (a, b, c):
+        position = ledger.begin_call()
+        ledger.record(position, footprint, planned_outside=0)
+    # b runs while a holds its leaves, saved activations and inputs, and c its leaves and grads
+    assert ledger.outside_bytes(1) == (10 + 30 + 0) + (40 + 40)
+    assert ledger.outside_bytes(0) == (20 + 20) + (40 + 40)
+    assert ledger.outside_bytes(2) == (10 + 30 + 0) + (20 + 40 + 5)
+    assert ledger.predicted_step_peak() == max(100 + 120, 200 + 120, 150 + 105)
+    assert ledger.earlier_plans_stale(2)  # planned with 0 outside, they now see more
+    ledger.backward_ran()
+    assert ledger.begin_call() == 0  # a backward ran: the next call starts a step
+    ledger.cancel_call(0)
+    assert ledger.next_position() == 0
+
+
+@pytest.mark.inductor
+def test_inductor_regions_replan_inside_calls():
+    """Re-plans (here: the first region, once the second exists) compile again from inside a
+    call, in the tracing context Dynamo compiled the graph in: also with Inductor. (Re-plans for
+    larger dynamic sizes take the same path; tested with aot_eager in test_dynamic_shapes.)"""
+    model, x = _build("dense", 2, 32, 64, "tanh", frozenset({0}), torch.float32)
+    backend = memcompile.budget(10**9, codegen="inductor", time_limit_s=2)
+    compiled = torch.compile(model, backend=backend)
+    for batch in (64, 64):
+        torch.manual_seed(batch)
+        x = torch.randn(batch, 32, requires_grad=True)
+        expected = _grads(model, x, model)
+        got = _grads(model, x, compiled)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert len(backend.ledger.footprints()) == 2
+    assert len(backend.plans) == 3  # region 0 re-planned once region 1's footprint was known
+    assert backend.plans[2].reserve_bytes > backend.plans[0].reserve_bytes
