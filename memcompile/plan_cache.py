@@ -1,7 +1,7 @@
 """In-process cache of solver answers: the same problem under the same budget is solved once.
 
 A recompile of the same graph, a second identical region (one compiled transformer block per
-layer), the same graph after `torch._dynamo.reset()`, or a region re-planned for a ledger value
+layer), the same graph after `torch.compiler.reset()`, or a region re-planned for a ledger value
 it has seen before all build the same `ActivationProblem` and get the cached answer: no solve,
 and the same plan every time (CP-SAT with several workers and a wall-clock limit is not
 deterministic by itself: docs/design.md, "Determinism and caching").
