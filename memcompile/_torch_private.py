@@ -160,6 +160,22 @@ def compile_with_aot_eager(
         return backend(gm, example_inputs)
 
 
+def current_tracing_context() -> Any:
+    """Dynamo's tracing context of the graph being compiled (fake mode, shape env), or None."""
+    return torch._guards.TracingContext.try_get()
+
+
+@contextlib.contextmanager
+def reentered_tracing_context(context: Any):
+    """Compile again, after Dynamo returned, in the tracing context a graph was first compiled in:
+    AOTAutograd then reuses its fake mode and symbolic sizes instead of specialising."""
+    if context is None:
+        yield
+        return
+    with torch._guards.tracing(context):
+        yield
+
+
 def reset_dynamo() -> None:
     torch._dynamo.reset()
 

@@ -50,6 +50,9 @@ class Plan:
     gap: float
     live_bytes_before: tuple[int, ...]  # per step, forward then backward
     live_bytes_after: tuple[int, ...]
+    # Symbolic sizes the plan was made for, as (symbol, size): it covers every size <= these
+    # (larger ones are re-planned before they run). Empty for static shapes.
+    size_bounds: tuple[tuple[str, int], ...] = ()
 
     @property
     def step_budget_bytes(self) -> int:
@@ -83,4 +86,6 @@ class Plan:
             + f" ({self.choices()}); added time ~{self.added_time_s * 1e3:.2f} ms",
             f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}",
         ]
+        if self.size_bounds:
+            lines.append("  covers sizes " + ", ".join(f"{name} <= {size}" for name, size in self.size_bounds))
         return "\n".join(lines)

@@ -261,6 +261,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             gap=float(data["gap"]),
             live_bytes_before=tuple(int(b) for b in data["live_bytes_before"]),
             live_bytes_after=tuple(int(b) for b in data["live_bytes_after"]),
+            size_bounds=tuple((str(n), int(v)) for n, v in data.get("size_bounds", ())),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error

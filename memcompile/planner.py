@@ -28,6 +28,8 @@ from memcompile.passes.liveness import LivenessTimeline, analyze_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Decision, Plan, format_bytes
+from memcompile.plan_cache import solve_cached
+from memcompile.sizes import size_value
 from memcompile.solver.activations import (
     ActivationSolution,
     close_decisions,
@@ -107,7 +109,7 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
         rows.append(Decision(
             name=node.name,
             op=str(getattr(node.target, "__name__", node.target)),
-            shape=tuple(int(s) for s in getattr(val, "shape", ())),
+            shape=tuple(size_value(s) for s in getattr(val, "shape", ())),  # int() would specialise a SymInt
             dtype=str(getattr(val, "dtype", "")).replace("torch.", ""),
             nbytes=problem.nbytes[i],
             choice=kind,
@@ -196,8 +198,8 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
     """The solver's plan; if the solver itself fails (a bug, an OR-Tools error), the greedy plan,
     with a warning: a crash here would kill the user's run."""
     try:
-        return solve_activation_plan(problem, target, time_limit_s=time_limit_s,
-                                     workers=options.workers, seed=options.seed)
+        return solve_cached(solve_activation_plan, problem, target, time_limit_s=time_limit_s,
+                            workers=options.workers, seed=options.seed)
     except Exception as error:  # noqa: BLE001 - any solver failure must degrade, not abort
         log.warning("memcompile: the solver failed (%s: %s); using the greedy plan", type(error).__name__, error)
         plan = greedy_plan(problem, target)
@@ -210,7 +212,8 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_ho
     recompute-everything-possible if its rewritten graphs peak lower (the model approximates
     conversion and recompute scratch; the check is exact)."""
     problem = analysis.problem
-    least = solve_min_peak(problem, time_limit_s=options.time_limit_s, workers=options.workers, seed=options.seed)
+    least = solve_cached(solve_min_peak, problem, time_limit_s=options.time_limit_s,
+                         workers=options.workers, seed=options.seed)
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, offload_on_host)
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
     if frugal != least.decisions:

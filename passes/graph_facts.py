@@ -7,14 +7,14 @@ import operator
 import torch
 import torch.fx as fx
 
+from memcompile.sizes import size_value
+
 
 def tensor_nbytes(value: object) -> int:
-    """Bytes of a tensor (or of the tensors in a tuple/list); symbolic sizes use their hint."""
+    """Bytes of a tensor (or of the tensors in a tuple/list); symbolic sizes: see memcompile.sizes."""
     if isinstance(value, torch.Tensor):
-        numel = value.numel()
-        if isinstance(numel, torch.SymInt):  # plan for the size it was traced at
-            numel = numel.node.hint if numel.node.hint is not None else 4096
-        return int(numel) * value.dtype.itemsize
+        # symbolic sizes: the sizes being planned for (memcompile.sizes), else the traced ones
+        return size_value(value.numel()) * value.dtype.itemsize
     if isinstance(value, (tuple, list)):
         return sum(tensor_nbytes(v) for v in value)
     return 0

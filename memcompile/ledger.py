@@ -1,0 +1,185 @@
+"""The step ledger: one budget for a whole training step made of several compiled regions.
+
+Graph breaks (and per-block compilation) split a step into regions that Dynamo compiles lazily,
+in forward order; each is planned on its own. While region `p` runs (its forward, and later its
+backward), other regions hold memory too, so `p` is planned with the step budget reduced by:
+
+- the leaf inputs of every other region: parameters, buffers, the user's inputs (live the whole
+  step);
+- for each region called before `p` in the step: its saved activations as planned (from its
+  forward to its backward, which runs after `p`'s) and its activation inputs (held by the
+  caller's frames until the forward returns; the previous region's outputs are `p`'s own
+  inputs and are counted in `p`'s own liveness, so no output is counted twice);
+- for each region called after `p`: the gradients of its leaf inputs (its backward runs before
+  `p`'s and they stay until the optimizer step).
+
+Summing "before" and "after" is an upper bound for both of `p`'s phases (forward: later regions
+hold nothing but parameters; backward: earlier inputs may already be freed). Regions are
+identified by their position in the step's call order, not by compiled graph, so one compiled
+block called 8 times per step has 8 positions. Parameters used at two positions (weight tying)
+are counted twice: safe, pessimistic.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch.fx as fx
+
+from memcompile import _torch_private as tp
+from memcompile.passes.graph_facts import tensor_nbytes
+from memcompile.plan import Plan
+
+# Choices whose bytes leave the device until the backward; any other choice (keep, and ones
+# this module does not know yet) counts its full size, unless the decision records the device
+# bytes it holds (quantize: the compressed copy; offload: 0): safe when a new choice is added.
+_NOT_HELD = frozenset({"recompute"})
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one compiled region holds for the rest of the step, as planned."""
+
+    own_peak_bytes: int  # its plan's predicted peak (its own inputs, parameters, temporaries...)
+    params_bytes: int  # leaf inputs (parameters, buffers, the user's inputs): live the whole step
+    inputs_bytes: int  # its non-leaf inputs: activations handed over by an earlier region
+    saved_bytes: int  # activations its plan keeps from its forward to its backward
+    grads_bytes: int  # gradients of its parameters, from its backward to the end of the step
+
+
+@dataclass(frozen=True)
+class InputBytes:
+    """Per forward input of a joint graph: its bytes, and whether the step produces its gradient."""
+
+    nbytes: tuple[int, ...]
+    has_grad: tuple[bool, ...]
+    static: tuple[bool, ...]  # parameters/buffers as AOTAutograd marks them (fallback split)
+
+
+def input_bytes(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices: Sequence[int]) -> InputBytes:
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and tp.is_primal(n)]
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    grads = list(output.args[0])[num_fwd_outputs:]
+    static = set(static_lifetime_input_indices)
+    return InputBytes(
+        nbytes=tuple(tensor_nbytes(p.meta.get("val")) for p in primals),
+        has_grad=tuple(i < len(grads) and isinstance(grads[i], fx.Node) for i in range(len(primals))),
+        static=tuple(i in static for i in range(len(primals))),
+    )
+
+
+def saved_bytes_of(plan: Plan) -> int:
+    return sum(0 if d.choice in _NOT_HELD else (d.held_bytes if d.held_bytes >= 0 else d.nbytes)
+               for d in plan.decisions)
+
+
+def footprint_of(plan: Plan, inputs: InputBytes, held_by_caller: Sequence[bool]) -> Footprint:
+    """The region's footprint for one call. `held_by_caller[i]`: forward input i is a leaf held
+    by the caller all step (parameter, buffer, the user's input); the others are activations an
+    earlier region handed over. If the call's inputs do not line up with the graph's (AOTAutograd
+    added some), parameters are the inputs AOTAutograd marks static."""
+    if len(held_by_caller) != len(inputs.nbytes):
+        held_by_caller = inputs.static
+    params = sum(b for b, held in zip(inputs.nbytes, held_by_caller) if held)
+    grads = sum(b for b, held, g in zip(inputs.nbytes, held_by_caller, inputs.has_grad) if held and g)
+    activations = sum(b for b, held in zip(inputs.nbytes, held_by_caller) if not held)
+    return Footprint(plan.predicted_peak_bytes, params, activations, saved_bytes_of(plan), grads)
+
+
+class StepLedger:
+    """Footprints by call position; positions restart when a backward has run since the last call.
+
+    Footprints of the previous step are kept for positions the current step has not reached, so
+    a region knows what later regions will hold (after the first step)."""
+
+    def __init__(self) -> None:
+        self._slots: list[Footprint | None] = []
+        self._planned_outside: list[int] = []  # per position: the outside bytes its plan assumed
+        self._position = 0
+        self._backward_seen = False
+        self._lock = threading.Lock()
+
+    # -- call tracking -------------------------------------------------------------------
+    def begin_call(self) -> int:
+        """The position of a region call that saves activations; starts a new step if a
+        backward ran since the previous call."""
+        with self._lock:
+            if self._backward_seen:
+                self._position = 0
+                self._backward_seen = False
+            position = self._position
+            self._position += 1
+            return position
+
+    def next_position(self) -> int:
+        """The position the next call would get (used when a region compiles just before it runs)."""
+        with self._lock:
+            return 0 if self._backward_seen else self._position
+
+    def cancel_call(self, position: int) -> None:
+        """The call at `position` raised before running: it holds nothing."""
+        with self._lock:
+            if self._position == position + 1:
+                self._position = position
+
+    def backward_ran(self) -> None:
+        with self._lock:
+            self._backward_seen = True
+
+    def record(self, position: int, footprint: Footprint, planned_outside: int) -> bool:
+        """Store the footprint at `position` and the outside bytes its plan assumed; True when
+        it changed (others may need a re-plan)."""
+        with self._lock:
+            while len(self._slots) <= position:
+                self._slots.append(None)
+                self._planned_outside.append(0)
+            changed = self._slots[position] != footprint
+            self._slots[position] = footprint
+            self._planned_outside[position] = planned_outside
+            return changed
+
+    def earlier_plans_stale(self, position: int) -> bool:
+        """True if a region before `position` ran with a plan made for other outside bytes than
+        the ledger now knows (regions compiled later in the same step): a transient state."""
+        with self._lock:
+            slots, planned = list(self._slots), list(self._planned_outside)
+        return any(slots[j] is not None and planned[j] != outside_bytes(slots, j)
+                   for j in range(min(position, len(slots))))
+
+    # -- budget --------------------------------------------------------------------------
+    def outside_bytes(self, position: int) -> int:
+        """Bytes other regions hold while the region at `position` runs (module docstring)."""
+        with self._lock:
+            slots = list(self._slots)
+        return outside_bytes(slots, position)
+
+    def predicted_step_peak(self) -> int:
+        """Max over positions of (own peak + what the others hold then), over the last known step."""
+        with self._lock:
+            slots = list(self._slots)
+        return predicted_step_peak(slots)
+
+    def footprints(self) -> tuple[Footprint | None, ...]:
+        with self._lock:
+            return tuple(self._slots)
+
+
+def outside_bytes(slots: Sequence[Footprint | None], position: int) -> int:
+    total = 0
+    for j, slot in enumerate(slots):
+        if slot is None or j == position:
+            continue
+        total += slot.params_bytes
+        if j < position:
+            total += slot.saved_bytes + slot.inputs_bytes
+        else:
+            total += slot.grads_bytes
+    return total
+
+
+def predicted_step_peak(slots: Iterable[Footprint | None]) -> int:
+    slots = list(slots)
+    return max((s.own_peak_bytes + outside_bytes(slots, p) for p, s in enumerate(slots) if s is not None),
+               default=0)
