@@ -33,22 +33,22 @@ SIZES = ("tiny", "small", "medium")
 CONFIGS: dict[str, dict[str, dict]] = {
     "gpt2": {
         "tiny": dict(layers=2, hidden=64, heads=4, vocab=512, batch=2, seq=32),
-        "small": dict(layers=2, hidden=128, heads=4, vocab=2048, batch=8, seq=128),
+        "small": dict(layers=2, hidden=128, heads=4, vocab=2048, batch=4, seq=128),
         "medium": dict(layers=4, hidden=256, heads=4, vocab=8192, batch=4, seq=128),
     },
     "llama": {
         "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=172, vocab=512, batch=2, seq=32),
-        "small": dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=344, vocab=2048, batch=8, seq=128),
+        "small": dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=344, vocab=2048, batch=4, seq=128),
         "medium": dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=688, vocab=8192, batch=4, seq=128),
     },
     "bert": {
         "tiny": dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=512, batch=2, seq=32),
-        "small": dict(layers=2, hidden=128, heads=4, intermediate=512, vocab=2048, batch=8, seq=128),
+        "small": dict(layers=2, hidden=128, heads=4, intermediate=512, vocab=2048, batch=4, seq=128),
         "medium": dict(layers=4, hidden=256, heads=4, intermediate=1024, vocab=8192, batch=4, seq=128),
     },
     "vit": {
         "tiny": dict(layers=2, hidden=64, heads=4, intermediate=256, image=32, patch=8, classes=10, batch=2),
-        "small": dict(layers=2, hidden=128, heads=4, intermediate=512, image=64, patch=8, classes=10, batch=16),
+        "small": dict(layers=2, hidden=128, heads=4, intermediate=512, image=64, patch=8, classes=10, batch=8),
         "medium": dict(layers=4, hidden=256, heads=4, intermediate=1024, image=128, patch=16, classes=100, batch=8),
     },
     "resnet": {
