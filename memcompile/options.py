@@ -54,6 +54,9 @@ class Options:
     device: str | None = None  # cost profile: "cpu", "a100", "h100", "h200"; None = the inputs' device
     workers: int = 2  # CP-SAT workers; fixed with the seed so the same graph gives the same plan
     seed: int = 0
+    quantize: tuple[str, ...] = ()  # lossy formats the user allows: "int8", "fp8", "bf16" (opt-in)
+    offload: bool | None = None  # None: where the device has its own memory (CUDA, XPU); True forces it (CPU: tests)
+    host_link_gbps: float | None = None  # device<->host GB/s for offload costs; None: the device profile's
 
     @property
     def step_budget_bytes(self) -> int:
@@ -65,7 +68,7 @@ class Options:
 
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
-    known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed"}
+    known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
@@ -88,4 +91,29 @@ def make_options(limit: object, **overrides: object) -> Options:
     for key, val in (("workers", workers), ("seed", seed)):
         if not isinstance(val, int) or isinstance(val, bool) or val < (1 if key == "workers" else 0):
             raise ValueError(f"{key}={val!r}: expected an int {'>= 1' if key == 'workers' else '>= 0'}")
-    return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed)
+    quantize = _parse_quantize(overrides.pop("quantize", None))
+    offload = overrides.pop("offload", None)
+    if offload not in (None, True, False, "auto"):
+        raise ValueError(f"offload={offload!r}: expected None or 'auto' (where the device has its own memory), "
+                         "True (always; on CPU only useful for testing) or False")
+    link = overrides.pop("host_link_gbps", None)
+    if link is not None and (isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 < link < math.inf):
+        raise ValueError(f"host_link_gbps={link!r}: expected a positive number of GB/s (e.g. 25 for PCIe 4 x16) or None")
+    return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
+                   None if offload == "auto" else offload, None if link is None else float(link))
+
+
+QUANTIZE_FORMATS = ("int8", "fp8", "bf16")
+
+
+def _parse_quantize(value: object) -> tuple[str, ...]:
+    """quantize=None | "int8" | ["int8", "bf16"] -> the allowed lossy formats, in a canonical order."""
+    if value is None or value is False:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"quantize={value!r}: expected None, one of {QUANTIZE_FORMATS} or a list of them")
+    unknown = sorted(set(items) - set(QUANTIZE_FORMATS))
+    if unknown:
+        raise ValueError(f"quantize={value!r}: unknown format(s) {unknown}; accepted: {QUANTIZE_FORMATS} (lossy, opt-in)")
+    return tuple(f for f in QUANTIZE_FORMATS if f in items)

@@ -21,10 +21,16 @@ class Decision:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    choice: str  # "keep" | "recompute"
+    choice: str  # "keep" | "recompute" | "quantize" | "offload"
     time_cost_s: float  # estimated added step time of this choice
-    reason: str  # why the alternative was not possible, if it was not
+    reason: str  # why the alternatives were not possible, if they were not
     source: str  # the user's line that produced it, when known
+    format: str = ""  # quantize: "int8" | "fp8" | "bf16"; offload: "host"
+    held_bytes: int = -1  # device bytes it holds from forward to backward (-1: not recorded)
+
+    @property
+    def label(self) -> str:
+        return f"{self.choice}:{self.format}" if self.format and self.choice == "quantize" else self.choice
 
 
 @dataclass(frozen=True)
@@ -52,19 +58,29 @@ class Plan:
     def choices(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for d in self.decisions:
-            counts[d.choice] = counts.get(d.choice, 0) + 1
+            counts[d.label] = counts.get(d.label, 0) + 1
         return counts
+
+    def totals(self) -> dict[str, tuple[int, int, int, float]]:
+        """Per choice: (count, bytes, device bytes held until backward, estimated time)."""
+        out: dict[str, tuple[int, int, int, float]] = {}
+        for d in self.decisions:
+            count, nbytes, held, secs = out.get(d.label, (0, 0, 0, 0.0))
+            out[d.label] = (count + 1, nbytes + d.nbytes, held + max(d.held_bytes, 0), secs + d.time_cost_s)
+        return out
 
     def summary(self) -> str:
         kept = sum(d.nbytes for d in self.decisions if d.choice == "keep")
         recomputed = sum(d.nbytes for d in self.decisions if d.choice == "recompute")
+        stored = [(label, t) for label, t in sorted(self.totals().items()) if label not in ("keep", "recompute")]
         lines = [
             f"memcompile plan for {self.graph_id}: budget {format_bytes(self.budget_bytes)}"
             + (f" (reserve {format_bytes(self.reserve_bytes)})" if self.reserve_bytes else ""),
             f"  predicted peak {format_bytes(self.predicted_peak_before_bytes)} -> "
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_phase} node {self.peak_node}",
             f"  saved activations: keep {format_bytes(kept)}, recompute {format_bytes(recomputed)} "
-            f"({self.choices()}); added time ~{self.added_time_s * 1e3:.2f} ms",
+            + "".join(f", {label} {format_bytes(t[1])} -> {format_bytes(t[2])}" for label, t in stored)
+            + f" ({self.choices()}); added time ~{self.added_time_s * 1e3:.2f} ms",
             f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}",
         ]
         return "\n".join(lines)

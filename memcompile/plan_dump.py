@@ -23,7 +23,7 @@ from memcompile.plan import Decision, Plan, format_bytes
 
 log = logging.getLogger("memcompile")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added decision format/held_bytes (version 1 files still load)
 FORMATS = ("text", "json", "html")
 MIB = 2**20
 
@@ -159,12 +159,13 @@ def breakdown_lines(plan: Plan) -> list[str]:
     return lines
 
 
-DECISION_COLUMNS = ("node", "op", "shape", "dtype", "bytes", "choice", "time cost", "reason", "source")
+DECISION_COLUMNS = ("node", "op", "shape", "dtype", "bytes", "choice", "held", "time cost", "reason", "source")
 
 
 def decision_row(d: Decision) -> tuple[str, ...]:
+    held = format_bytes(d.held_bytes) if d.held_bytes >= 0 else "-"
     return (d.name, d.op, "[" + ", ".join(map(str, d.shape)) + "]", d.dtype, format_bytes(d.nbytes),
-            d.choice, format_seconds(d.time_cost_s), d.reason or "-", d.source or "-")
+            d.label, held, format_seconds(d.time_cost_s), d.reason or "-", d.source or "-")
 
 
 def decision_lines(decisions: Sequence[Decision]) -> list[str]:
@@ -172,13 +173,13 @@ def decision_lines(decisions: Sequence[Decision]) -> list[str]:
         return ["  saved activations: none"]
     by_choice: dict[str, list[int]] = {}
     for d in decisions:
-        by_choice.setdefault(d.choice, []).append(d.nbytes)
+        by_choice.setdefault(d.label, []).append(d.nbytes)
     counts = ", ".join(f"{choice} {len(sizes)} = {format_bytes(sum(sizes))}" for choice, sizes in sorted(by_choice.items()))
     # largest first; a stable sort keeps the planner's (graph) order among equal sizes
     ordered = sorted(decisions, key=lambda d: -d.nbytes)
     rows = [DECISION_COLUMNS] + [decision_row(d) for d in ordered]
     widths = [max(len(row[i]) for row in rows) for i in range(len(DECISION_COLUMNS))]
-    right_aligned = {DECISION_COLUMNS.index("bytes"), DECISION_COLUMNS.index("time cost")}
+    right_aligned = {DECISION_COLUMNS.index("bytes"), DECISION_COLUMNS.index("held"), DECISION_COLUMNS.index("time cost")}
 
     def line(row: tuple[str, ...]) -> str:
         cells = [cell.rjust(w) if i in right_aligned else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
@@ -224,12 +225,17 @@ def _exact_keys(data: dict, expected: Iterable[str], what: str) -> None:
         raise ValueError(f"{what}: missing {sorted(missing)}, unknown {sorted(unknown)}")
 
 
+_DECISION_ADDED_IN_2 = {"format": "", "held_bytes": -1}
+
+
 def decision_from_dict(data: dict[str, Any]) -> Decision:
+    data = {**_DECISION_ADDED_IN_2, **data}  # version 1 files lack these
     _exact_keys(data, Decision.__dataclass_fields__, "decision")
     return Decision(
         name=str(data["name"]), op=str(data["op"]), shape=tuple(int(s) for s in data["shape"]),
         dtype=str(data["dtype"]), nbytes=int(data["nbytes"]), choice=str(data["choice"]),
         time_cost_s=float(data["time_cost_s"]), reason=str(data["reason"]), source=str(data["source"]),
+        format=str(data["format"]), held_bytes=int(data["held_bytes"]),
     )
 
 
@@ -263,10 +269,10 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
 def plans_from_json(text: str) -> list[Plan]:
     document = json.loads(text)
     if not isinstance(document, dict) or "plans" not in document:
-        raise ValueError('not a memcompile plan file: expected {"schema_version": 1, "plans": [...]}')
+        raise ValueError('not a memcompile plan file: expected {"schema_version": 2, "plans": [...]}')
     version = document.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ValueError(f"plan file schema_version {version!r}; this memcompile reads {SCHEMA_VERSION}")
+    if version not in (1, SCHEMA_VERSION):
+        raise ValueError(f"plan file schema_version {version!r}; this memcompile reads 1 and {SCHEMA_VERSION}")
     return [plan_from_json(p) for p in document["plans"]]
 
 

@@ -21,6 +21,7 @@ from memcompile.options import Options
 from memcompile.passes.activation_analysis import JointAnalysis, analyze_joint_graph
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness
 from memcompile.passes.partition import apply_plan
+from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Decision, Plan, format_bytes
 from memcompile.solver.activations import (
     ActivationSolution,
@@ -51,11 +52,20 @@ def _device_of(joint_inputs) -> str:
     return "cpu"
 
 
-def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs) -> _Attempt:
+def _store_options(options: Options, device: str) -> tuple[StoreOptions, bool]:
+    """(what the solver may offer besides keep/recompute, whether offload copies stay on this host)."""
+    has_own_memory = device.startswith(("cuda", "xpu"))
+    offload = has_own_memory if options.offload is None else options.offload
+    link = (options.host_link_gbps or 0.0) * 1e9
+    return StoreOptions(options.quantize, offload, link), offload and not has_own_memory
+
+
+def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, offload_on_host: bool = False) -> _Attempt:
     # Every node's result counted as a buffer, even under Inductor: modelling its fusion
     # (fuse_pointwise=True) fell below the measured peak by up to 9% (Inductor also hoists and
     # reorders allocations), while counting every buffer stayed above it in every run we measured.
-    fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs)
+    fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored,
+                        offload_on_host=offload_on_host)
     return _Attempt(solution, fw, bw, analyze_liveness(fw, bw, num_fwd_outputs))
 
 
@@ -67,8 +77,9 @@ def _user_line(stack_trace: str) -> str:
 
 def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[Decision, ...]:
     problem = analysis.problem
+    stored = dict(solution.stored)
     rows = []
-    for i in sorted(solution.keep | solution.recompute, key=lambda i: -problem.nbytes[i]):
+    for i in sorted(solution.keep | solution.recompute | set(stored), key=lambda i: -problem.nbytes[i]):
         if problem.nbytes[i] == 0 or (i in solution.recompute and problem.recompute_cost_s[i] == 0):
             continue  # views, and values only the backward reads (computed there once either way)
         node = analysis.candidates[i]
@@ -78,6 +89,15 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
             reason = "" if problem.can_keep[i] else "view of an activation: keeping it would pin its base"
         else:
             reason = analysis.cannot_recompute_reason[i]
+        if i in solution.keep and analysis.not_stored_reason and analysis.not_stored_reason[i]:
+            reason = "; ".join(r for r in (reason, analysis.not_stored_reason[i]) if r)
+        if i in stored:
+            choice = problem.choices_of(i)[stored[i]]
+            kind, fmt, held, cost = choice.kind, choice.format, choice.stored_bytes, choice.time_cost_s
+        elif recomputed:
+            kind, fmt, held, cost = "recompute", "", 0, problem.recompute_cost_s[i]
+        else:
+            kind, fmt, held, cost = "keep", "", problem.nbytes[i], 0.0
         trace = node.meta.get("stack_trace") or ""
         rows.append(Decision(
             name=node.name,
@@ -85,10 +105,12 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
             shape=tuple(int(s) for s in getattr(val, "shape", ())),
             dtype=str(getattr(val, "dtype", "")).replace("torch.", ""),
             nbytes=problem.nbytes[i],
-            choice="recompute" if recomputed else "keep",
-            time_cost_s=problem.recompute_cost_s[i] if recomputed else 0.0,
+            choice=kind,
+            time_cost_s=cost,
             reason=reason,
             source=_user_line(trace),
+            format=fmt,
+            held_bytes=held,
         ))
     return tuple(rows)
 
@@ -103,8 +125,10 @@ def plan_joint_graph(
     graph_id: str,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     joint = tp.prepare_joint_graph(joint)
-    profile = profile_for(options.device or _device_of(joint_inputs))
-    analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile)
+    device = options.device or _device_of(joint_inputs)
+    profile = profile_for(device)
+    store, offload_on_host = _store_options(options, device)
+    analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store)
     problem = analysis.problem
     budget = options.step_budget_bytes
 
@@ -124,7 +148,7 @@ def plan_joint_graph(
         solve_s += solution.solve_s
         if solution.status == "infeasible":
             break
-        attempt = _rewrite_and_check(joint, analysis, solution, num_fwd_outputs)
+        attempt = _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, offload_on_host)
         log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
                   attempt.timeline.peak_bytes, solution.status)
         if attempt.timeline.peak_bytes <= budget:
@@ -135,7 +159,7 @@ def plan_joint_graph(
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
-        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options)
+        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_host)
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
@@ -176,11 +200,11 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
         return ActivationSolution(*plan, peak, added, "fallback" if peak <= target else "infeasible", 0.0, 0.0)
 
 
-def _least_peak_attempt(joint, analysis, num_fwd_outputs, options) -> tuple[_Attempt, float]:
+def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_host) -> tuple[_Attempt, float]:
     """The plan with the least peak we can find (deterministically): min-peak under the model."""
     least = solve_min_peak(analysis.problem, time_limit_s=options.time_limit_s,
                            workers=options.workers, seed=options.seed)
-    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs)
+    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, offload_on_host)
     return attempt, least.solve_s
 
 

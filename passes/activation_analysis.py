@@ -23,6 +23,7 @@ from memcompile.passes.graph_facts import (
     tensor_nbytes,
 )
 from memcompile.passes.liveness import OP_SCRATCH_BYTES
+from memcompile.passes.stored_forms import StoreOptions, store_choices_for
 from memcompile.solver.activations import ActivationProblem
 
 NEVER = -1
@@ -39,6 +40,7 @@ class JointAnalysis:
     backward_nodes: tuple[fx.Node, ...]
     static_lifetime_inputs: frozenset[fx.Node]
     cannot_recompute_reason: tuple[str, ...]
+    not_stored_reason: tuple[str, ...] = ()  # why quantize/offload were not offered, per candidate
 
 
 def compute_unit(node: fx.Node) -> fx.Node:
@@ -74,6 +76,7 @@ def analyze_joint_graph(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int],
     profile: DeviceProfile,
+    store: StoreOptions = StoreOptions(),
 ) -> JointAnalysis:
     required_fw, required_bw, _ = tp.classify_joint_nodes(
         joint, num_fwd_outputs, static_lifetime_input_indices
@@ -170,6 +173,7 @@ def analyze_joint_graph(
             end = fw_last_read.get(n, NEVER)
             add(size, step[n], max(end, step[n]))
 
+    store_choices, created_at, not_stored = [], [], []
     names, nbytes, costs, can_keep, can_recompute, bans = [], [], [], [], [], []
     first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
     cost_of_unit: dict[fx.Node, float] = {}
@@ -202,6 +206,13 @@ def analyze_joint_graph(
         recompute_from.append(max(backward_start, fw_end + 1))
         reads.append(tuple(sorted({index[i] for i in recompute_inputs(c)})))
         view_of.append(index[base] if base in index else -1)
+        created_at.append(step[c])
+        if can_keep[-1] and keep_from[-1] < num_steps:  # held across the gap: other forms may apply
+            choices, why = store_choices_for(c, own_bytes, profile, store)
+        else:
+            choices, why = (), ""
+        store_choices.append(choices)
+        not_stored.append(why)
 
     running, fixed_bytes = 0, []
     for t in range(num_steps):
@@ -220,6 +231,8 @@ def analyze_joint_graph(
         recompute_reads=tuple(reads),
         view_of=tuple(view_of),
         fixed_bytes=tuple(fixed_bytes),
+        store_choices=tuple(store_choices) if any(store_choices) else (),
+        created_at=tuple(created_at) if any(store_choices) else (),
     )
     return JointAnalysis(
         problem=problem,
@@ -229,4 +242,5 @@ def analyze_joint_graph(
         backward_nodes=backward_nodes,
         static_lifetime_inputs=frozenset(tp.static_lifetime_nodes(joint, static_lifetime_input_indices)),
         cannot_recompute_reason=tuple(bans),
+        not_stored_reason=tuple(not_stored),
     )

@@ -23,6 +23,7 @@ from memcompile.passes.graph_facts import (
     is_getitem,
     tensor_nbytes,
 )
+from memcompile.passes.stored_forms import HOST_PREFIX
 
 # Bytes an op may allocate and free inside itself (wrapped Python scalars, small workspaces) that
 # no graph node shows and no workspace model explains (2.7 KB seen once in a float64 attention
@@ -93,7 +94,8 @@ def _storage_roots(gm: fx.GraphModule, prefix: str, placeholder_key, inlined: se
             if isinstance(val, torch.Tensor):
                 key = f"{prefix}{node.name}"
                 roots[node] = key
-                created[key] = (tensor_nbytes(val), node)
+                # Offloaded copies live in host memory, not on the device the budget is for.
+                created[key] = (0 if node.name.startswith(HOST_PREFIX) else tensor_nbytes(val), node)
             elif isinstance(val, (tuple, list)):
                 roots[node] = None
                 for i, member in enumerate(val):

@@ -1,7 +1,9 @@
 """Rewrite: split the joint graph into forward and backward graphs as the plan says.
 
 Kept activations become forward outputs (saved for backward); recomputed ones are copied into
-the backward, each just before its first reader there.
+the backward, each just before its first reader there. Stored ones (quantized, offloaded) are
+converted right after the forward op that makes them, the stored form is saved, and the backward converts it back just before its first
+reader; recomputations that read a stored tensor read the converted copy.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile.passes.activation_analysis import JointAnalysis, compute_unit
+from memcompile.passes.stored_forms import build_load, build_store
+from memcompile.solver.activations import NOTHING_STORED, Stored
 
 
 def apply_plan(
@@ -18,14 +22,87 @@ def apply_plan(
     keep: frozenset[int],
     recompute: frozenset[int],
     num_fwd_outputs: int,
+    stored: Stored = NOTHING_STORED,
+    *,
+    offload_on_host: bool = False,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    if stored:
+        joint, analysis, saved_forms = _insert_stored_forms(joint, analysis, recompute, stored, offload_on_host)
+    else:
+        saved_forms = []
     readers = list(analysis.backward_nodes) + [compute_unit(analysis.candidates[i]) for i in recompute]
     read = {i for r in readers for i in r.all_input_nodes}
     backward = set(analysis.backward_nodes)
     saved_primals = [p for p in analysis.primals if p in read and not tp.is_sym_node(p)]
     saved_sym = [n for n in analysis.forward_nodes + analysis.primals
                  if n in read and n not in backward and tp.is_sym_node(n)]
-    saved_values = [analysis.candidates[i] for i in sorted(keep)] + saved_primals
+    saved_values = [analysis.candidates[i] for i in sorted(keep)] + saved_forms + saved_primals
     return tp.extract_forward_backward(
         joint, saved_values, saved_sym, num_fwd_outputs, set(analysis.static_lifetime_inputs)
     )
+
+
+def _insert_stored_forms(joint, analysis: JointAnalysis, recompute: frozenset[int], stored: Stored, on_host: bool):
+    """A copy of the joint graph with store/load ops inserted and the backward rewired to them.
+
+    Returns the new graph module, the analysis with its node references mapped onto the copy,
+    and the stored-form nodes to save. The joint graph itself is left untouched: the planner
+    rewrites it once per attempt.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(joint.graph, env)
+    graph.output(out)
+    new = lambda n: env[n]  # noqa: E731 - tiny mapping helper
+    candidates = [new(c) for c in analysis.candidates]
+    backward_nodes = [new(b) for b in analysis.backward_nodes]
+    first_backward = backward_nodes[0] if backward_nodes else graph.find_nodes(op="output")[0]
+    problem = analysis.problem
+    fw_position = {n: k for k, n in enumerate(graph.nodes)}
+
+    saved_forms: list[fx.Node] = []
+    loaded: dict[fx.Node, fx.Node] = {}  # candidate -> its backward copy (converted back / recomputed)
+    for i, k in sorted(stored):
+        x = candidates[i]
+        choice = problem.choices_of(i)[k]
+        # Right after the producer (joint graphs are functional: the value never changes), so a
+        # conversion can fuse with it; `inserting_before(next)` keeps the new nodes in order.
+        with graph.inserting_before(x.next):
+            forms = build_store(graph, x, choice, on_host)
+        saved_forms.extend(forms)
+        with graph.inserting_before(first_backward):
+            loaded[x] = build_load(graph, forms, x, choice)
+
+    # Recomputations that (transitively) read a stored tensor get backward copies reading the
+    # converted value; the forward keeps the originals.
+    stored_nodes = set(loaded)
+    units = sorted({compute_unit(candidates[i]) for i in recompute}, key=fw_position.__getitem__)
+    recomputed_members = {candidates[i] for i in recompute}
+    for unit in units:
+        if not any(a in loaded for a in unit.all_input_nodes):
+            continue
+        with graph.inserting_before(first_backward):
+            clone = graph.node_copy(unit, lambda a: loaded.get(a, a))
+        loaded[unit] = clone
+        for member in recomputed_members:
+            if member is not unit and compute_unit(member) is unit:  # tuple members: getitem copies
+                with graph.inserting_before(first_backward):
+                    loaded[member] = graph.node_copy(member, lambda a: loaded.get(a, a))
+    for b in backward_nodes:
+        b.args = fx.node.map_arg(b.args, lambda a: loaded.get(a, a))
+        b.kwargs = fx.node.map_arg(b.kwargs, lambda a: loaded.get(a, a))
+    graph.lint()
+    module = fx.GraphModule(joint, graph)
+    # Candidates are now only what the rewrite still recomputes from forward nodes; stored ones are
+    # reached through their saved forms.
+    mapped = JointAnalysis(
+        problem=analysis.problem,
+        candidates=tuple(loaded.get(c, c) if c not in stored_nodes else c for c in candidates),
+        primals=tuple(new(p) for p in analysis.primals),
+        forward_nodes=tuple(new(n) for n in analysis.forward_nodes),
+        backward_nodes=tuple(backward_nodes),
+        static_lifetime_inputs=frozenset(new(n) for n in analysis.static_lifetime_inputs),
+        cannot_recompute_reason=analysis.cannot_recompute_reason,
+        not_stored_reason=analysis.not_stored_reason,
+    )
+    return module, mapped, saved_forms

@@ -1,22 +1,26 @@
-"""The compiler's choice per saved activation: keep it, or recompute it in backward.
+"""The compiler's choice per saved activation: keep it, recompute it in backward, or store it
+in another form until backward (quantized, or offloaded to host memory).
 
 A plain problem object (no torch types). Candidates are forward tensors the backward may need;
 steps are the forward-then-backward execution order. The CP-SAT model (docs/design.md):
 
-    k_i, r_i in {0,1}          candidate i is kept (saved from forward) / recomputed in backward
-    k_i + r_i = 1              if backward reads i directly;  k_i + r_i <= 1 otherwise
-    k_i + r_i >= r_c           for every c whose recomputation reads i
-    s_i <= first_read_i        a recomputed i is live from step s_i ...
-    s_i <= s_c   if r_c        ... which precedes every recomputed reader c
-    e_i >= last_read_i         ... until step e_i, after its last reader:
-    e_i >= s_c   if r_c        (e_i >= e_c when c is a view of i: the view pins i's storage)
-    kept i:       optional interval [keep_from_i, e_i], presence k_i, demand bytes_i
-    recomputed i: optional interval [s_i, e_i],         presence r_i, demand bytes_i
+    k_i, r_i, q_ik in {0,1}    candidate i is kept / recomputed / stored with store choice k
+    k_i + r_i + sum_k q_ik = 1           if backward reads i directly; <= 1 otherwise
+    k_i + r_i + sum_k q_ik >= r_c        for every c whose recomputation reads i
+    s_i = placement: just before i's first reader (direct, or a recomputed reader c)
+    e_i >= last read of i (direct, or by a recomputed reader c)
+    kept i:        interval [keep_from_i, e_i]             presence k_i, demand bytes_i
+    recomputed i:  interval [s_i, e_i]                     presence r_i, demand bytes_i
+    quantized i:   interval [created_i, s_i]               presence q_ik, demand stored_bytes_ik
+                   interval [s_i, e_i] (dequantized)       presence q_ik, demand bytes_i
+    offloaded i:   interval [keep_from_i, release_i]       presence q_ik, demand bytes_i (copy-out in flight)
+                   interval [s_i - prefetch_i, e_i]        presence q_ik, demand bytes_i (reloaded)
     cumulative(intervals + fixed_bytes profile) <= budget          at every step
-    minimise  sum_i r_i * recompute_cost_i
+    minimise  sum_i r_i cost_i + sum_ik q_ik cost_ik
+              + max(0, offloaded link time - forward compute) + max(0, same - backward compute)
 
-`evaluate` computes the tightest s/e for given decisions (recompute placed just before its
-first reader, as the rewrite does), so the model never claims less memory than that placement.
+`evaluate` computes the tightest s/e for given decisions (materialisation placed just before
+the first reader, as the rewrite does), so the model never claims less memory than that placement.
 """
 
 from __future__ import annotations
@@ -34,6 +38,19 @@ _TIME_UNIT_S = 1e-8
 
 
 @dataclass(frozen=True)
+class StoreChoice:
+    """Holding a candidate until backward in another form than itself."""
+
+    kind: str  # "quantize" (compressed copy on the device) | "offload" (copy in host memory)
+    format: str  # quantize: "int8" | "fp8" | "bf16"; offload: "host"
+    stored_bytes: int  # device bytes while stored: the compressed copy and its scales; 0 for offload
+    time_cost_s: float  # added step time of this choice for this tensor alone (kernels, exposed transfer)
+    link_s: float = 0.0  # offload: seconds of host-link time per direction (shared by all offloads)
+    prefetch_steps: int = 0  # offload: the reload starts this many steps before the tensor is needed
+    release_step: int = -1  # offload: last forward step the device copy is held (copy-out in flight)
+
+
+@dataclass(frozen=True)
 class ActivationProblem:
     names: tuple[str, ...]  # in topological order
     nbytes: tuple[int, ...]  # storage each candidate owns (0 for views)
@@ -47,6 +64,11 @@ class ActivationProblem:
     recompute_reads: tuple[tuple[int, ...], ...]  # candidates that recomputing i reads
     view_of: tuple[int, ...]  # index of the candidate whose storage i views, or -1
     fixed_bytes: tuple[int, ...]  # live bytes per step that no decision changes
+    # Optional: other ways to hold a candidate until backward (empty tuple: none for anybody).
+    store_choices: tuple[tuple[StoreChoice, ...], ...] = ()
+    created_at: tuple[int, ...] = ()  # forward step producing each candidate (needed with store_choices)
+    forward_compute_s: float = 0.0  # compute time a forward copy-out can hide behind
+    backward_compute_s: float = 0.0  # same for reloads in backward
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -54,10 +76,15 @@ class ActivationProblem:
                      "last_read", "keep_from", "recompute_from", "recompute_reads", "view_of"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"ActivationProblem.{name} has {len(getattr(self, name))} entries, expected {n}")
+        if self.store_choices and (len(self.store_choices) != n or len(self.created_at) != n):
+            raise ValueError("ActivationProblem.store_choices and created_at need one entry per candidate")
 
     @property
     def num_steps(self) -> int:
         return len(self.fixed_bytes)
+
+    def choices_of(self, i: int) -> tuple[StoreChoice, ...]:
+        return self.store_choices[i] if self.store_choices else ()
 
     def needed_by_backward(self, i: int) -> bool:
         return self.first_read[i] < self.num_steps
@@ -71,10 +98,16 @@ class ActivationProblem:
         return out
 
 
+# Stored decisions: (candidate, index into its store_choices).
+Stored = frozenset[tuple[int, int]]
+NOTHING_STORED: Stored = frozenset()
+
+
 @dataclass(frozen=True)
 class ActivationSolution:
     keep: frozenset[int]
     recompute: frozenset[int]
+    stored: Stored
     model_peak_bytes: int  # peak under the model with the tightest placement
     added_time_s: float
     status: str  # "fits" | "optimal" | "feasible" | "fallback" | "infeasible"
@@ -87,11 +120,16 @@ class ActivationSolution:
             return 0.0
         return max(0.0, (self.added_time_s - self.lower_bound_s) / self.added_time_s)
 
+    @property
+    def decisions(self) -> tuple[frozenset[int], frozenset[int], Stored]:
+        return self.keep, self.recompute, self.stored
+
 
 def placement(problem: ActivationProblem, recompute: frozenset[int]) -> tuple[list[int], list[int]]:
-    """Tightest (start, end) step of every candidate given what is recomputed: a recomputed
-    tensor starts just before its first reader (direct, or a recomputed candidate reading it)
-    and ends at its last one. Defined for all candidates so it can seed the solver too."""
+    """Tightest (start, end) step of every candidate given what is recomputed: a recomputed (or
+    dequantized, or reloaded) tensor is materialised just before its first reader (direct, or a
+    recomputed candidate reading it) and ends at its last one. Defined for all candidates so it
+    can seed the solver too."""
     readers = problem.readers()
     last = problem.num_steps - 1
     start = [0] * len(problem.names)
@@ -107,8 +145,13 @@ def placement(problem: ActivationProblem, recompute: frozenset[int]) -> tuple[li
     return start, end
 
 
+def reload_step(problem: ActivationProblem, i: int, choice: StoreChoice, start: int) -> int:
+    """The step whose node an offloaded tensor's reload is issued before (prefetch)."""
+    return max(problem.recompute_from[i], start - choice.prefetch_steps)
+
+
 def step_loads(
-    problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int],
+    problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int], stored: Stored = NOTHING_STORED,
     placed: tuple[list[int], list[int]] | None = None,
 ) -> list[int]:
     """Modelled peak bytes at every step, on the same fine time grid as the CP-SAT model.
@@ -116,8 +159,9 @@ def step_loads(
     Recomputed tensors that start at step t run, in topological order, just before t's node (as
     the rewrite places them): slot t*S + i for candidate i, the node at slot t*S + S - 1. A tensor
     is live from its (re)computation or the end of its forward life to its last reader's slot,
-    so a chain's members are live one after another. `placed` is `placement(problem, recompute)`
-    when the caller has it already.
+    so a chain's members are live one after another. Dequantization and reloads materialise at
+    the same slot as a recomputation would (a reload at its prefetch step). `placed` is
+    `placement(problem, recompute)` when the caller has it already.
     """
     start, _ = placed or placement(problem, recompute)
     ends = fine_ends(problem, recompute, start)
@@ -135,6 +179,15 @@ def step_loads(
     for i in recompute:
         if problem.recompute_from[i] < horizon:  # else its forward lifetime covers the whole step
             add(problem.nbytes[i], start[i] * scale + i, ends[i])
+    for i, k in stored:
+        choice = problem.choices_of(i)[k]
+        materialised = start[i] * scale + i
+        if choice.kind == "quantize":
+            add(choice.stored_bytes, problem.created_at[i] * scale + scale - 1, materialised)
+        else:
+            add(problem.nbytes[i], problem.keep_from[i] * scale, choice.release_step * scale + scale - 1)
+            materialised = reload_step(problem, i, choice, start[i]) * scale + i
+        add(problem.nbytes[i], materialised, ends[i])
     slots = sorted(diff)
     loads, running, k = [], 0, 0
     for t in range(horizon):
@@ -150,70 +203,120 @@ def step_loads(
     return loads
 
 
-def evaluate(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> tuple[int, float]:
+def added_time_s(problem: ActivationProblem, recompute: frozenset[int], stored: Stored = NOTHING_STORED) -> float:
+    """Recomputation, conversion kernels, exposed transfers; transfers beyond what the compute of
+    a phase can hide are paid in full (one host link shared by every offload)."""
+    link = sum(problem.choices_of(i)[k].link_s for i, k in stored)
+    exposed = max(0.0, link - problem.forward_compute_s) + max(0.0, link - problem.backward_compute_s)
+    return (sum(problem.recompute_cost_s[i] for i in recompute)
+            + sum(problem.choices_of(i)[k].time_cost_s for i, k in stored) + exposed)
+
+
+def evaluate(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int],
+             stored: Stored = NOTHING_STORED) -> tuple[int, float]:
     """(modelled peak bytes, added time) of a decision set."""
-    loads = step_loads(problem, keep, recompute)
-    return max(loads, default=0), sum(problem.recompute_cost_s[i] for i in recompute)
+    loads = step_loads(problem, keep, recompute, stored)
+    return max(loads, default=0), added_time_s(problem, recompute, stored)
 
 
-def is_consistent(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int]) -> bool:
-    """Every needed candidate is kept or recomputed, once, only where allowed, nothing extra."""
-    if keep & recompute:
+def is_consistent(problem: ActivationProblem, keep: frozenset[int], recompute: frozenset[int],
+                  stored: Stored = NOTHING_STORED) -> bool:
+    """Every needed candidate is kept, recomputed or stored, once, only where allowed, nothing extra."""
+    stored_ids = [i for i, _ in stored]
+    held = set(keep) | set(stored_ids)
+    if keep & recompute or len(stored_ids) != len(set(stored_ids)) or held & recompute or keep & set(stored_ids):
+        return False
+    if any(not (0 <= k < len(problem.choices_of(i))) for i, k in stored):
         return False
     needed = {i for i in range(len(problem.names)) if problem.needed_by_backward(i)}
     for c in recompute:
         needed.update(problem.recompute_reads[c])
     return (
-        needed == set(keep | recompute)
+        needed == held | set(recompute)
         and all(problem.can_keep[i] for i in keep)
         and all(problem.can_recompute[i] for i in recompute)
     )
 
 
-def close_decisions(problem: ActivationProblem, prefer_recompute: set[int]) -> tuple[frozenset[int], frozenset[int]]:
+def close_decisions(
+    problem: ActivationProblem, prefer_recompute: set[int], prefer_store: dict[int, int] | None = None,
+) -> tuple[frozenset[int], frozenset[int], Stored]:
     """Complete a preference into a consistent plan: needed candidates in `prefer_recompute` (or
-    that cannot be kept) are recomputed, the rest kept. Walks readers before what they read."""
+    that cannot be kept) are recomputed, those in `prefer_store` stored with that choice, the
+    rest kept. Walks readers before what they read."""
+    prefer_store = prefer_store or {}
     needed = {i for i in range(len(problem.names)) if problem.needed_by_backward(i)}
     keep: set[int] = set()
     recompute: set[int] = set()
+    stored: set[tuple[int, int]] = set()
     for i in reversed(range(len(problem.names))):
         if i not in needed:
             continue
         if (i in prefer_recompute or not problem.can_keep[i]) and problem.can_recompute[i]:
             recompute.add(i)
             needed.update(problem.recompute_reads[i])
+        elif i in prefer_store and problem.can_keep[i]:
+            stored.add((i, prefer_store[i]))
         else:
             keep.add(i)
-    return frozenset(keep), frozenset(recompute)
+    return frozenset(keep), frozenset(recompute), frozenset(stored)
 
 
-def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozenset[int], frozenset[int]]:
-    """Start from keeping everything; while the peak is over budget, recompute the kept tensor
-    live at the peak step with the most bytes per second of recompute. Always a consistent plan;
-    returns the first under budget, else the one with the least peak seen."""
+def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[int], end: list[int]) -> int:
+    """Bytes that changing kept candidate i to `move` frees at step t (0 if it frees none there)."""
+    if not problem.keep_from[i] <= t <= end[i]:
+        return 0
+    kind, k = move
+    if kind == "recompute":
+        return problem.nbytes[i] if t < start[i] else 0
+    choice = problem.choices_of(i)[k]
+    if choice.kind == "quantize":
+        return problem.nbytes[i] - choice.stored_bytes if t < start[i] else 0
+    return problem.nbytes[i] if choice.release_step < t < reload_step(problem, i, choice, start[i]) else 0
+
+
+def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozenset[int], frozenset[int], Stored]:
+    """Start from keeping everything; while the peak is over budget, change the kept tensor live
+    at the peak step that frees the most bytes there per second of added time (recompute it, or
+    store it as one of its store choices). Always a consistent plan; returns the first under
+    budget, else the one with the least peak seen."""
     prefer: set[int] = set()
-    plan = close_decisions(problem, prefer)
+    prefer_store: dict[int, int] = {}
+    plan = close_decisions(problem, prefer, prefer_store)
     best_plan, best_peak = plan, None
-    for _ in range(len(problem.names) + 1):
+    for _ in range(2 * len(problem.names) + 1):
         placed = placement(problem, plan[1])
         loads = step_loads(problem, *plan, placed=placed)
-        end = placed[1]
         t = max(range(len(loads)), key=loads.__getitem__)
         peak = loads[t]
         if best_peak is None or peak < best_peak:
             best_plan, best_peak = plan, peak
         if peak <= budget_bytes:
             return plan
-        options = [
-            i for i in plan[0]
-            if problem.can_recompute[i] and problem.nbytes[i] > 0 and i not in prefer
-            and problem.keep_from[i] <= t <= end[i]
-        ]
-        if not options:
+        start, end = placed[0], fine_ends(problem, plan[1], placed[0])
+        end = [e // (len(problem.names) + 1) for e in end]
+        moves = []
+        for i in plan[0]:
+            if i in prefer or problem.nbytes[i] == 0:
+                continue
+            options = [("store", k) for k in range(len(problem.choices_of(i)))]
+            if problem.can_recompute[i]:
+                options.append(("recompute", -1))
+            for move in options:
+                freed = _bytes_freed_at(problem, i, move, t, start, end)
+                cost = (problem.recompute_cost_s[i] if move[0] == "recompute"
+                        else problem.choices_of(i)[move[1]].time_cost_s + problem.choices_of(i)[move[1]].link_s)
+                if freed > 0:
+                    moves.append((freed / (cost + 1e-9), -i, move, i))
+        if not moves:
             break
-        pick = max(options, key=lambda i: (problem.nbytes[i] / (problem.recompute_cost_s[i] + 1e-9), -i))
-        prefer.add(pick)
-        plan = close_decisions(problem, prefer)
+        _, _, move, pick = max(moves)
+        if move[0] == "recompute":
+            prefer.add(pick)
+            prefer_store.pop(pick, None)
+        else:
+            prefer_store[pick] = move[1]
+        plan = close_decisions(problem, prefer, prefer_store)
     return best_plan
 
 
@@ -242,7 +345,17 @@ def fine_ends(problem: ActivationProblem, recompute: frozenset[int], start: list
     return ends
 
 
-def _build_model(problem: ActivationProblem, budget_bytes: int | None):
+@dataclass
+class _Model:
+    model: cp_model.CpModel
+    keep: list
+    recompute: list
+    store: list  # per candidate, one bool per store choice
+    start: list
+    end: list
+
+
+def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model:
     """CP-SAT model; with budget None the capacity is a variable to minimise.
 
     Time is fine-grained so the model matches `step_loads`: step t spans slots
@@ -256,22 +369,24 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None):
     scale = n + 1
     keep = [model.NewBoolVar(f"keep_{i}") for i in range(n)]
     recompute = [model.NewBoolVar(f"recompute_{i}") for i in range(n)]
-    start = [model.NewIntVar(0, last, f"start_{i}") for i in range(n)]  # step of recomputation
+    store = [[model.NewBoolVar(f"store_{i}_{k}") for k in range(len(problem.choices_of(i)))] for i in range(n)]
+    start = [model.NewIntVar(0, last, f"start_{i}") for i in range(n)]  # step of materialisation
     end = [model.NewIntVar(-1, horizon * scale, f"end_{i}") for i in range(n)]  # fine slot
     readers = problem.readers()
     intervals, demands = [], []
     for i in range(n):
+        held = [keep[i]] + store[i]
         if not problem.can_keep[i]:
-            model.Add(keep[i] == 0)
+            model.Add(sum(held) == 0)
         if not problem.can_recompute[i]:
             model.Add(recompute[i] == 0)
         if problem.needed_by_backward(i):
-            model.Add(keep[i] + recompute[i] == 1)
+            model.Add(sum(held) + recompute[i] == 1)
         else:
-            model.Add(keep[i] + recompute[i] <= sum(recompute[c] for c in readers[i]))
+            model.Add(sum(held) + recompute[i] <= sum(recompute[c] for c in readers[i]))
             for c in readers[i]:
-                model.Add(keep[i] + recompute[i] >= recompute[c])
-        # The rewrite runs a recomputation just before its first reader: start is exactly
+                model.Add(sum(held) + recompute[i] >= recompute[c])
+        # The rewrite materialises a value just before its first reader: start is exactly
         # max(recompute_from, min(first direct read, starts of recomputed readers)), as `placement`.
         first_need = [min(problem.first_read[i], horizon)]
         for c in readers[i]:
@@ -291,16 +406,44 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None):
             model.Add(end[i] >= reach).OnlyEnforceIf(recompute[c])
         if problem.nbytes[i] == 0:
             continue
+        size_cap = horizon * scale
         if problem.keep_from[i] <= last:
             first_slot = problem.keep_from[i] * scale
             model.Add(end[i] >= first_slot - 1).OnlyEnforceIf(keep[i])
-            size = model.NewIntVar(0, horizon * scale, f"keep_size_{i}")
+            size = model.NewIntVar(0, size_cap, f"keep_size_{i}")
             intervals.append(model.NewOptionalIntervalVar(first_slot, size, end[i] + 1, keep[i], f"keep_iv_{i}"))
             demands.append(problem.nbytes[i])
         if problem.recompute_from[i] <= last:
-            size = model.NewIntVar(0, horizon * scale, f"recompute_size_{i}")
-            intervals.append(model.NewOptionalIntervalVar(start[i] * scale + i, size, end[i] + 1, recompute[i],
+            # Recomputed or dequantized: the full tensor from its materialisation slot on.
+            materialised = [recompute[i]] + [store[i][k] for k, ch in enumerate(problem.choices_of(i))
+                                             if ch.kind == "quantize"]
+            present = recompute[i]
+            if len(materialised) > 1:
+                present = model.NewBoolVar(f"materialised_{i}")
+                model.Add(present == sum(materialised))
+            size = model.NewIntVar(0, size_cap, f"recompute_size_{i}")
+            intervals.append(model.NewOptionalIntervalVar(start[i] * scale + i, size, end[i] + 1, present,
                                                           f"recompute_iv_{i}"))
+            demands.append(problem.nbytes[i])
+        for k, choice in enumerate(problem.choices_of(i)):
+            if choice.kind == "quantize":
+                first_slot = problem.created_at[i] * scale + scale - 1
+                size = model.NewIntVar(0, size_cap, f"held_size_{i}_{k}")
+                intervals.append(model.NewOptionalIntervalVar(first_slot, size, start[i] * scale + i + 1,
+                                                              store[i][k], f"held_iv_{i}_{k}"))
+                demands.append(choice.stored_bytes)
+                continue
+            a, b = problem.keep_from[i] * scale, choice.release_step * scale + scale - 1
+            if a <= b:
+                intervals.append(model.NewOptionalIntervalVar(a, b - a + 1, b + 1, store[i][k], f"copyout_iv_{i}_{k}"))
+                demands.append(problem.nbytes[i])
+            reload = model.NewIntVar(0, horizon, f"reload_{i}_{k}")
+            ahead = model.NewIntVar(-horizon, horizon, f"ahead_{i}_{k}")
+            model.Add(ahead == start[i] - choice.prefetch_steps)
+            model.AddMaxEquality(reload, [ahead, min(problem.recompute_from[i], horizon)])
+            size = model.NewIntVar(0, size_cap, f"reload_size_{i}_{k}")
+            intervals.append(model.NewOptionalIntervalVar(reload * scale + i, size, end[i] + 1, store[i][k],
+                                                          f"reload_iv_{i}_{k}"))
             demands.append(problem.nbytes[i])
     for a, b, fixed in _fixed_segments(problem.fixed_bytes):
         if fixed:
@@ -311,15 +454,54 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None):
         model.Minimize(capacity)
     else:
         capacity = budget_bytes
-        model.Minimize(sum((int(round(problem.recompute_cost_s[i] / _TIME_UNIT_S)) + 1) * recompute[i] for i in range(n)))
+        model.Minimize(_time_objective(model, problem, recompute, store))
     model.AddCumulative(intervals, demands, capacity)
-    return model, keep, recompute, start, end
+    return _Model(model, keep, recompute, store, start, end)
 
 
-def _decisions_from(outcome, keep, recompute) -> tuple[frozenset[int], frozenset[int]]:
+def _units(seconds: float) -> int:
+    return int(round(seconds / _TIME_UNIT_S))
+
+
+def _time_objective(model: cp_model.CpModel, problem: ActivationProblem, recompute: list, store: list):
+    """Added time in CP-SAT units; mirrors `added_time_s` (+1 per non-keep choice breaks ties to keeping)."""
+    terms = [(_units(problem.recompute_cost_s[i]) + 1) * recompute[i] for i in range(len(recompute))]
+    link_terms = []
+    for i, bools in enumerate(store):
+        for k, var in enumerate(bools):
+            choice = problem.choices_of(i)[k]
+            terms.append((_units(choice.time_cost_s) + 1) * var)
+            if choice.link_s > 0:
+                link_terms.append(_units(choice.link_s) * var)
+    if link_terms:
+        # Exposed transfer time: what the phase's compute cannot hide, in each direction.
+        total_link = sum(link_terms)
+        cap = sum(_units(problem.choices_of(i)[k].link_s) for i, b in enumerate(store) for k in range(len(b)))
+        for phase, compute_s in (("forward", problem.forward_compute_s), ("backward", problem.backward_compute_s)):
+            exposed = model.NewIntVar(0, cap, f"exposed_{phase}")
+            model.Add(exposed >= total_link - _units(compute_s))
+            terms.append(exposed)
+    return sum(terms)
+
+
+def _decisions_from(outcome, built: _Model) -> tuple[frozenset[int], frozenset[int], Stored]:
     value = outcome.solver.Value
-    return (frozenset(i for i, v in enumerate(keep) if value(v)),
-            frozenset(i for i, v in enumerate(recompute) if value(v)))
+    return (frozenset(i for i, v in enumerate(built.keep) if value(v)),
+            frozenset(i for i, v in enumerate(built.recompute) if value(v)),
+            frozenset((i, k) for i, bools in enumerate(built.store) for k, v in enumerate(bools) if value(v)))
+
+
+def _add_hint(problem: ActivationProblem, built: _Model, hint) -> None:
+    keep, recompute, stored = hint
+    hint_start, _ = placement(problem, recompute)
+    hint_end = fine_ends(problem, recompute, hint_start)
+    for i in range(len(problem.names)):
+        built.model.AddHint(built.keep[i], i in keep)
+        built.model.AddHint(built.recompute[i], i in recompute)
+        for k, var in enumerate(built.store[i]):
+            built.model.AddHint(var, (i, k) in stored)
+        built.model.AddHint(built.start[i], hint_start[i])
+        built.model.AddHint(built.end[i], hint_end[i])
 
 
 def solve_activation_plan(
@@ -328,7 +510,8 @@ def solve_activation_plan(
     """Least added time with modelled peak <= budget; status "infeasible" when none exists."""
     began = time.perf_counter()
     if problem.fixed_bytes and max(problem.fixed_bytes) > budget_bytes:
-        return ActivationSolution(frozenset(), frozenset(), max(problem.fixed_bytes), 0.0, "infeasible", 0.0, 0.0)
+        return ActivationSolution(frozenset(), frozenset(), NOTHING_STORED, max(problem.fixed_bytes), 0.0,
+                                  "infeasible", 0.0, 0.0)
     greedy = greedy_plan(problem, budget_bytes)
     greedy_peak, greedy_added = evaluate(problem, *greedy)
     best = greedy if greedy_peak <= budget_bytes else None
@@ -337,22 +520,16 @@ def solve_activation_plan(
     # CP-SAT may spread a recompute chain over earlier steps, which `evaluate` (the rewrite's
     # placement) does not: accept its answer only when `evaluate` agrees, else ask for less.
     while time.perf_counter() - began < 0.9 * time_limit_s:
-        model, keep, recompute, start, end = _build_model(problem, target)
-        hint = best or greedy
-        hint_start, _ = placement(problem, hint[1])
-        hint_end = fine_ends(problem, hint[1], hint_start)
-        for i in range(len(problem.names)):
-            model.AddHint(keep[i], i in hint[0])
-            model.AddHint(recompute[i], i in hint[1])
-            model.AddHint(start[i], hint_start[i])
-            model.AddHint(end[i], hint_end[i])
+        built = _build_model(problem, target)
+        _add_hint(problem, built, best or greedy)
         remaining = time_limit_s - (time.perf_counter() - began)
-        outcome = run_model(model, time_limit_s=remaining, workers=workers, seed=seed)
+        outcome = run_model(built.model, time_limit_s=remaining, workers=workers, seed=seed)
         if not outcome.has_solution:
             if outcome.status == "infeasible" and target == budget_bytes and best is None:
-                return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0, time.perf_counter() - began)
+                return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0,
+                                          time.perf_counter() - began)
             break
-        chosen = _decisions_from(outcome, keep, recompute)
+        chosen = _decisions_from(outcome, built)
         peak, added = evaluate(problem, *chosen)
         if peak <= budget_bytes:
             if best is None or added <= evaluate(problem, *best)[1]:
@@ -371,13 +548,13 @@ def solve_activation_plan(
 def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, workers: int = 2, seed: int = 0) -> ActivationSolution:
     """The decisions with the least modelled peak: the smallest budget this model can meet."""
     began = time.perf_counter()
-    model, keep, recompute, _start, _end = _build_model(problem, None)
+    built = _build_model(problem, None)
     # One worker and a deterministic-time limit: the smallest budget we report must be the one
     # a later compile at exactly that budget finds again.
-    outcome = run_model(model, time_limit_s=2 * time_limit_s, workers=1, seed=seed,
+    outcome = run_model(built.model, time_limit_s=2 * time_limit_s, workers=1, seed=seed,
                         extra_params={"max_deterministic_time": time_limit_s})
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    options = [frugal, greedy_plan(problem, 0)] + ([_decisions_from(outcome, keep, recompute)] if outcome.has_solution else [])
+    options = [frugal, greedy_plan(problem, 0)] + ([_decisions_from(outcome, built)] if outcome.has_solution else [])
     best = min(options, key=lambda d: evaluate(problem, *d))
     peak, added = evaluate(problem, *best)
     # The status speaks of the peak, not of time: this plan minimises memory, then stops.

@@ -1,0 +1,152 @@
+"""Issue 3 acceptance: what int8 storage buys over recompute alone, on a GPT stack (Inductor, CPU).
+
+Reports: the smallest feasible budget with recompute only and with int8; at a ladder of budgets,
+the planner's predicted added time, measured peak and step time of both; the gradient error of
+int8 against eager; and 50-step loss curves of both.
+
+    .venv/bin/python benchmarks/quantize_acceptance.py [--steps 50] [--blocks 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import memcompile  # noqa: E402
+from models import WithMSELoss, make_gpt, make_input, make_target  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def compile_step(model, limit, **options):
+    torch.compiler.reset()
+    backend = memcompile.budget(limit, time_limit_s=8, **options)
+    return backend, torch.compile(WithMSELoss(model), backend=backend)
+
+
+def smallest_budget(model, x, y, **options) -> int:
+    backend, step = compile_step(model, 1, **options)
+    try:
+        step(x, y)
+    except memcompile.InfeasibleBudgetError as error:
+        return error.min_feasible_bytes
+    raise AssertionError("a 1-byte budget was accepted")
+
+
+def grads(model, fn, x, y):
+    model.zero_grad(set_to_none=True)
+    fn(x, y).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def step_time_s(model, step, x, y, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps + 1):
+        model.zero_grad(set_to_none=True)
+        began = time.perf_counter()
+        step(x, y).backward()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:])
+
+
+def measure(model, step, x, y) -> int:
+    model.zero_grad(set_to_none=True)
+    return memcompile.measure_peak(lambda: step(x, y).backward(), live_at_start=[x, y, *model.parameters()]).peak_bytes
+
+
+def loss_curve(limit, steps, blocks, x, y, **options) -> list[float]:
+    model = make_gpt(n_blocks=blocks, d_model=x.shape[-1], seed=3)
+    _, step = compile_step(model, limit, **options)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = step(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--blocks", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    batch, seq, d = 8, 128, 128
+    model = make_gpt(n_blocks=args.blocks, d_model=d)
+    x, y = make_input(batch, seq, d), make_target(batch, seq, d)
+    eager = grads(model, WithMSELoss(model), x, y)
+
+    backend, plain = compile_step(model, 10**12)
+    plain(x, y).backward()
+    free = backend.plans[0].predicted_peak_before_bytes
+    base_time = step_time_s(model, plain, x, y)
+    base_peak = measure(model, plain, x, y)
+    low_lossless = smallest_budget(model, x, y)
+    low_int8 = smallest_budget(model, x, y, quantize="int8")
+
+    rows = []
+    for fraction in (0.9, 0.75, 0.6):
+        limit = int(fraction * free)
+        for label, options in (("recompute only", {}), ("+ int8", {"quantize": "int8"})):
+            if limit < (low_lossless if not options else low_int8):
+                rows.append({"budget": limit, "fraction": fraction, "variant": label, "feasible": False})
+                continue
+            backend, step = compile_step(model, limit, **options)
+            got = grads(model, step, x, y)
+            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, eager))
+            plan = backend.plans[0]
+            rows.append({
+                "budget": limit, "fraction": fraction, "variant": label, "feasible": True,
+                "predicted_peak": plan.predicted_peak_bytes, "measured_peak": measure(model, step, x, y),
+                "predicted_added_ms": plan.added_time_s * 1e3, "step_ratio": step_time_s(model, step, x, y) / base_time,
+                "grad_rel_err": err, "choices": plan.choices(),
+            })
+    curve_budget = int(0.6 * free)
+    curves = {
+        "recompute only": loss_curve(curve_budget, args.steps, args.blocks, x, y),
+        "+ int8": loss_curve(curve_budget, args.steps, args.blocks, x, y, quantize="int8"),
+    }
+    result = {
+        "model": f"GPT {args.blocks}x{d}, batch {batch}, seq {seq}, float32, Inductor CPU, 2 threads",
+        "keep_all_predicted_peak": free, "keep_all_measured_peak": base_peak, "keep_all_step_s": base_time,
+        "smallest_budget_recompute_only": low_lossless, "smallest_budget_int8": low_int8,
+        "rows": rows, "loss_curve_budget": curve_budget, "loss_curves": curves,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "quantize_acceptance.json").write_text(json.dumps(result, indent=1) + "\n")
+    mib = 2**20
+    lines = [
+        f"# int8 vs recompute only ({result['model']})", "",
+        f"keep-all: predicted {free / mib:.2f} MiB, measured {base_peak / mib:.2f} MiB, step {base_time * 1e3:.0f} ms",
+        f"smallest feasible budget: recompute only {low_lossless / mib:.2f} MiB, with int8 {low_int8 / mib:.2f} MiB", "",
+        "| budget | variant | measured peak | <= budget | predicted added ms | step ratio | grad rel err | choices |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["feasible"]:
+            lines.append(f"| {r['budget'] / mib:.2f} MiB | {r['variant']} | infeasible | | | | | |")
+            continue
+        lines.append(
+            f"| {r['budget'] / mib:.2f} MiB ({r['fraction']:.2f} P) | {r['variant']} | {r['measured_peak'] / mib:.2f} MiB | "
+            f"{'yes' if r['measured_peak'] <= r['budget'] else 'NO'} | {r['predicted_added_ms']:.2f} | {r['step_ratio']:.2f} | "
+            f"{r['grad_rel_err']:.1e} | {r['choices']} |")
+    lossless, lossy = curves["recompute only"], curves["+ int8"]
+    lines += ["", f"loss over {args.steps} steps at {curve_budget / mib:.2f} MiB (Adam 1e-3): "
+              f"recompute only {lossless[0]:.4f} -> {lossless[-1]:.4f}; int8 {lossy[0]:.4f} -> {lossy[-1]:.4f}; "
+              f"max |difference| {max(abs(a - b) for a, b in zip(lossless, lossy)):.2e}"]
+    (RESULTS / "quantize_acceptance.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Other forms an activation can wait for the backward in: quantized on the device, or in host memory.
+
+Each format is a pair of graph builders (forward: tensor -> stored values; backward: stored
+values -> tensor) made of aten ops Inductor lowers, so conversions fuse with their neighbours,
+plus the sizes and costs the solver needs. Which tensors may use which form, and why not, is
+decided here too (`store_choices_for`), so the plan can say why a tensor was excluded.
+
+Error of the lossy formats, per element x of a group g (groups: trailing dims of >= 256 elements):
+  int8  absmax scaling, round to nearest: |x - x̂| <= max|g| / 254
+  fp8   e4m3 scaled to the group's absmax (448): relative error <= 2^-4 (3 mantissa bits)
+  bf16  round to nearest: relative error <= 2^-8
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+import torch.fx as fx
+
+from memcompile.cost_models.device import DeviceProfile
+from memcompile.solver.activations import StoreChoice
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+LOSSY_FORMATS = ("int8", "fp8", "bf16")
+# Storages created by nodes with this name prefix live in host memory: not device bytes.
+HOST_PREFIX = "memcompile_host_"
+# Below this a tensor is not worth a conversion kernel (launch cost, scale overhead).
+MIN_STORE_BYTES = 64 * 1024
+_GROUP_ELEMENTS = 256
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_INT8_MAX = 127.0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """What the user allowed: lossy formats (opt-in) and offload."""
+
+    formats: tuple[str, ...] = ()
+    offload: bool = False
+    host_link_bytes_per_s: float = 0.0  # used for offload cost; 0 = the profile's
+
+
+def _group_dims(shape) -> list[int]:
+    """Trailing dims spanning >= _GROUP_ELEMENTS elements (all dims if the tensor is smaller):
+    one scale per group keeps scale overhead small for any layout (rows, channels, pixels)."""
+    dims, size = [], 1
+    for d in reversed(range(len(shape))):
+        dims.append(d)
+        size *= int(shape[d])
+        if size >= _GROUP_ELEMENTS:
+            break
+    return sorted(dims)
+
+
+def _num_groups(val: torch.Tensor) -> int:
+    dims = set(_group_dims(val.shape))
+    groups = 1
+    for d, s in enumerate(val.shape):
+        if d not in dims:
+            groups *= int(s)
+    return groups
+
+
+def stored_nbytes(val: torch.Tensor, fmt: str) -> int:
+    """Device bytes the stored form takes (values plus float32 scales); matches the built ops."""
+    numel = int(val.numel())
+    if fmt == "bf16":
+        return numel * 2
+    if fmt in ("int8", "fp8"):
+        return numel + 4 * _num_groups(val)
+    if fmt == "host":
+        return 0
+    raise ValueError(f"unknown stored format {fmt!r}")
+
+
+def exclusion_reason(node: fx.Node, fmt: str) -> str:
+    """Why `node`'s value may not be stored as `fmt` ('' if it may)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return "not a tensor"
+    if fmt == "host":
+        return ""
+    if not val.dtype.is_floating_point or val.dtype.itemsize < 2:
+        return "integer, boolean or 8-bit tensor"
+    if fmt == "bf16" and val.dtype != torch.float32:
+        return "bf16 only shrinks float32 tensors"
+    if val.dim() == 0:
+        return "scalar"
+    # Decompositions turn softmax into exp/sum/div; the op it came from is kept in the metadata.
+    name = f"{node.target} {node.meta.get('original_aten', '')}"
+    if fmt in ("int8", "fp8") and "softmax" in name:
+        # Probabilities span orders of magnitude within a row: absmax int8/fp8 scaling zeroes
+        # the small ones, which attention's backward multiplies by large gradients.
+        return "softmax output: small probabilities lose all precision under absmax scaling"
+    if any(op in name for op in ("tanh", "sigmoid")):
+        # Their backward computes 1 - y^2 or y (1 - y): near saturation (y ~ +-1, 0 or 1) any
+        # rounding of y is the whole answer, and gradient errors were > 50% in our tests.
+        return "tanh/sigmoid output: its derivative cancels catastrophically near saturation"
+    return ""
+
+
+def store_choices_for(
+    node: fx.Node, nbytes: int, profile: DeviceProfile, options: StoreOptions,
+) -> tuple[tuple[StoreChoice, ...], str]:
+    """The store choices `node` may take, and why others were excluded (for the plan)."""
+    if nbytes < MIN_STORE_BYTES or not (options.formats or options.offload):
+        return (), ("" if not (options.formats or options.offload) else "smaller than 64 KiB")
+    val = node.meta["val"]
+    choices, reasons = [], []
+    for fmt in options.formats:
+        why = exclusion_reason(node, fmt)
+        if why:
+            reasons.append(f"no {fmt}: {why}")
+            continue
+        held = stored_nbytes(val, fmt)
+        # Quantize reads x twice (absmax, convert) and writes the stored form; dequantize reads
+        # it and writes x: ~4 kernels, each memory-bound.
+        moved = 3 * nbytes + 2 * held + nbytes
+        choices.append(StoreChoice("quantize", fmt, held, moved / profile.memory_bytes_per_s + 4 * profile.op_overhead_s))
+    if options.offload:
+        link = options.host_link_bytes_per_s or profile.host_link_bytes_per_s or profile.memory_bytes_per_s
+        # Synchronous copies (out in forward, back in backward): nothing hides them yet.
+        transfer_s = nbytes / link
+        choices.append(StoreChoice("offload", "host", 0, 2 * transfer_s + 2 * profile.op_overhead_s))
+    return tuple(choices), "; ".join(reasons)
+
+
+# ---- graph builders ---------------------------------------------------------------------------
+
+def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
+    """A call_function node with its FakeTensor value computed from its inputs' values."""
+    node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
+    vals = fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    node.meta["val"] = target(*vals[0], **vals[1])
+    return node
+
+
+def build_store(graph: fx.Graph, x: fx.Node, choice: StoreChoice, on_host: bool) -> list[fx.Node]:
+    """Forward ops turning x into its stored form; returns the nodes to save for backward."""
+    val = x.meta["val"]
+    if choice.kind == "offload":
+        if on_host:  # test switch on CPU: a plain copy standing in for the host copy
+            return [_call(graph, aten.clone.default, (x,), name=f"{HOST_PREFIX}{x.name}")]
+        return [_call(graph, prims.device_put.default, (x, torch.device("cpu")), name=f"{HOST_PREFIX}{x.name}")]
+    if choice.format == "bf16":
+        return [_call(graph, prims.convert_element_type.default, (x, torch.bfloat16), name=f"{x.name}_bf16")]
+    dims = _group_dims(val.shape)
+    limit = _INT8_MAX if choice.format == "int8" else _FP8_MAX
+    x32 = _call(graph, prims.convert_element_type.default, (x, torch.float32))
+    absmax = _call(graph, aten.amax.default, (_call(graph, aten.abs.default, (x32,)), dims, True))
+    # A floor on the scale: a group of zeros gives 0 / tiny = 0, never 0 / 0.
+    scale = _call(graph, aten.clamp_min.default, (_call(graph, aten.div.Scalar, (absmax, limit)), _TINY),
+                  name=f"{x.name}_scale")
+    scaled = _call(graph, aten.div.Tensor, (x32, scale))
+    if choice.format == "int8":
+        rounded = _call(graph, aten.clamp_max.default,
+                        (_call(graph, aten.clamp_min.default, (_call(graph, aten.round.default, (scaled,)), -limit)), limit))
+        q = _call(graph, prims.convert_element_type.default, (rounded, torch.int8), name=f"{x.name}_int8")
+    else:
+        q = _call(graph, prims.convert_element_type.default, (scaled, torch.float8_e4m3fn), name=f"{x.name}_fp8")
+    return [q, scale]
+
+
+def build_load(graph: fx.Graph, stored: list[fx.Node], x: fx.Node, choice: StoreChoice) -> fx.Node:
+    """Backward ops turning the stored form back into a tensor like x."""
+    val = x.meta["val"]
+    if choice.kind == "offload":
+        return _call(graph, prims.device_put.default, (stored[0], val.device), name=f"{x.name}_reloaded")
+    if choice.format == "bf16":
+        return _call(graph, prims.convert_element_type.default, (stored[0], val.dtype), name=f"{x.name}_dequant")
+    q, scale = stored
+    wide = _call(graph, prims.convert_element_type.default, (q, torch.float32))
+    restored = _call(graph, aten.mul.Tensor, (wide, scale))
+    # Pointwise ops and conversions keep x's strides, so backward kernels see the layout they were traced with.
+    return _call(graph, prims.convert_element_type.default, (restored, val.dtype), name=f"{x.name}_dequant")
