@@ -83,8 +83,9 @@ def run_child(spec: dict, args: argparse.Namespace) -> dict:
     return {**spec, "status": "crashed", "fits": False, "stderr_tail": proc.stderr[-3000:]}
 
 
-def largest_fitting(fits, start: int, limit: int) -> tuple[int, list[int]]:
-    """Largest n in [1, limit] with fits(n) (fits assumed monotone): doubling from start, then bisection.
+def largest_fitting(fits, start: int, limit: int, rel_tol: float = 0.0) -> tuple[int, list[int]]:
+    """Largest n in [1, limit] with fits(n) (fits assumed monotone): doubling from start, then bisection
+    until the first failing size is within rel_tol of the answer (0: exact).
 
     Returns (n, probed values); n = 0 if even 1 does not fit."""
     probed: list[int] = []
@@ -114,7 +115,7 @@ def largest_fitting(fits, start: int, limit: int) -> tuple[int, list[int]]:
                 hi = nxt
         if lo == 0:
             return 0, probed
-    while hi - lo > 1:
+    while hi - lo > max(1, int(rel_tol * lo)):
         mid = (lo + hi) // 2
         if probe(mid):
             lo = mid
@@ -127,7 +128,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, budget: int, base: dict
     plain = next((r["max"] for r in rows if r["method"] == "inductor"), None)
     out = [f"# Largest {args.dim} within a fixed budget: {args.model} ({args.size})\n",
            f"Budget {budget:,} B ({budget / 2**20:.2f} MiB) = plain Inductor's measured peak at {args.dim} "
-           f"{args.base_batch} ({base.get('peak_bytes', 0):,} B)." if args.budget is None else f"Budget {budget:,} B.",
+           f"{args.base_batch}." if args.budget is None or args.budget == base.get("peak_bytes")
+           else f"Budget {budget:,} B (plain Inductor's peak at {args.dim} {args.base_batch}: {base.get('peak_bytes', 0):,} B).",
            f" torch CPU, {args.threads} threads. Command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`.\n",
            f"| method | max {args.dim} | x plain Inductor | peak at max (MiB) | probes ({args.dim}: fits?) |",
            "| --- | --- | --- | --- | --- |"]
@@ -137,7 +139,9 @@ def markdown(rows: list[dict], args: argparse.Namespace, budget: int, base: dict
             continue
         ratio = "-" if not plain else f"{r['max'] / plain:.2f}"
         peak = r.get("peak_at_max")
-        out.append(f"| {r['label']} | {r['max']} | {ratio} | {'-' if peak is None else f'{peak / 2**20:.2f}'} | "
+        ff = r.get("first_failing")
+        bound = "" if ff in (None, r["max"] + 1) else f" (< {ff})"
+        out.append(f"| {r['label']} | {r['max']}{bound} | {ratio} | {'-' if peak is None else f'{peak / 2**20:.2f}'} | "
                    + ", ".join(f"{p['value']}: {'yes' if p.get('fits') else p.get('status')}" for p in r["probes"]) + " |")
     out.append("\nfits = compiled and ran without InfeasibleBudgetError, and measured peak (memcompile.measure_peak)"
                " <= budget. Targets: memcompile lossless >= 2x plain Inductor, with int8 >= 3x.")
@@ -149,15 +153,25 @@ def parent(args: argparse.Namespace) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     common = {"model": args.model, "size": args.size, "dim": args.dim, "threads": args.threads,
               "time_limit": args.time_limit}
-    base = run_child({**common, "method": "inductor", "value": args.base_batch}, args)
+    done = []
+    if args.resume and (RESULTS / f"max_batch{args.tag}.jsonl").exists():
+        done = [json.loads(ln) for ln in (RESULTS / f"max_batch{args.tag}.jsonl").read_text().splitlines()]
+        done = [r for r in done if r.get("status") in ("ok", "infeasible")]
+
+    def probe_child(spec: dict) -> dict:
+        old = next((r for r in done if all(r.get(k) == v for k, v in spec.items())), None)
+        return old if old is not None else run_child(spec, args)
+
+    base = probe_child({**common, "method": "inductor", "value": args.base_batch, "budget": args.budget})
     if base.get("status") != "ok":
         print(base)
         return 2
     budget = args.budget or base["peak_bytes"]
     print(f"[{time.perf_counter() - t0:5.0f}s] budget {budget:,} B", flush=True)
-    methods = [("inductor", {}, "plain Inductor")]
+    methods = [("inductor", {}, "plain Inductor"), ("memcompile", {}, "memcompile lossless")]
     methods += [("inductor_amb", {"fraction": f}, f"Inductor activation_memory_budget={f}") for f in args.fractions]
-    methods += [("memcompile", {}, "memcompile lossless"), ("memcompile_int8", {}, "memcompile int8")]
+    methods += [("memcompile_int8", {}, "memcompile int8")]
+    plain_max = None
     rows: list[dict] = []
     with (RESULTS / f"max_batch{args.tag}.jsonl").open("w") as sink:
         for method, extra, label in methods:
@@ -167,7 +181,7 @@ def parent(args: argparse.Namespace) -> int:
             def fits(n: int) -> bool:
                 if unavailable:
                     return False
-                r = run_child({**common, **extra, "method": method, "value": n, "budget": budget}, args)
+                r = probe_child({**common, **extra, "method": method, "value": n, "budget": budget})
                 sink.write(json.dumps(r) + "\n")
                 sink.flush()
                 probes.append(r)
@@ -177,9 +191,16 @@ def parent(args: argparse.Namespace) -> int:
                     unavailable.append(r["error"])
                 return bool(r.get("fits"))
 
-            best, _ = largest_fitting(fits, args.base_batch, args.limit)
+            # the others start at 2x plain Inductor's largest (the target): fewer compiles
+            start = args.base_batch if plain_max is None else max(1, 2 * plain_max)
+            tol = 0.0 if method == "inductor" else args.rel_tol
+            best, _ = largest_fitting(fits, start, args.limit, tol)
+            if method == "inductor":
+                plain_max = best
+            failed = sorted(p["value"] for p in probes if not p.get("fits") and p["value"] > best)
             at = next((p for p in probes if p["value"] == best and p.get("fits")), {})
             rows.append({"method": method, "label": label, "max": best, "peak_at_max": at.get("peak_bytes"),
+                         "first_failing": failed[0] if failed else None,
                          "probes": probes, "unavailable": unavailable[0] if unavailable else None, **extra})
     amb = [r for r in rows if r["method"] == "inductor_amb"]
     if len(amb) > 1:  # PyTorch's best fraction only
@@ -206,9 +227,15 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=5.0)
     ap.add_argument("--child-timeout", type=float, default=900.0)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--rel-tol", type=float, default=0.15,
+                    help="stop bisecting (all but plain Inductor) when the first failing size is within this of the answer")
+    ap.add_argument("--resume", action="store_true", help="reuse probes of an earlier run with the same tag")
+    ap.add_argument("--cache-dir", help="Inductor cache directory to use (default: a fresh temporary one)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is None:
+        if args.cache_dir:
+            return parent(args)
         with tempfile.TemporaryDirectory(prefix="memcompile_max_batch_inductor_") as d:
             args.cache_dir = d
             return parent(args)

@@ -251,6 +251,7 @@ def run_model(model: str, args: argparse.Namespace, t0: float, sink, done: list[
     def go(spec: dict) -> dict:
         old = next((r for r in done if same_spec(r, {**common, **spec})), None)
         if old is not None:
+            old = {**old, **spec}  # the reason for this budget in this run
             sink.write(json.dumps(old) + "\n")
             recs.append(old)
             return old
@@ -344,6 +345,8 @@ def acceptance(recs: list[dict], noise: float) -> dict:
     pt = [r for r in ok if r["kind"] in PYTORCH_KINDS]
     mc = [r for r in ok if r["kind"] == "memcompile"]
     tol = max(noise, 0.02)
+    floor = next((r["min_feasible_bytes"] for r in recs if r["kind"] == "memcompile" and r.get("status") == "infeasible"
+                  and r["budget"] == 1), None)
     pairs = []
     for p in pt:
         def matches(r: dict) -> bool:  # the run at this peak, or at a peak shared with it
@@ -354,8 +357,10 @@ def acceptance(recs: list[dict], noise: float) -> dict:
             other = next((r for r in recs if r["kind"] == "memcompile" and r.get("status") in ("infeasible", "skipped")
                           and matches(r)), None)
             why = {"infeasible": "infeasible", "skipped": f"not run (> {SKIP_ABOVE}x plain Inductor's peak)"}
-            pairs.append({"pytorch": label(p), "pt_peak": p["peak_bytes"], "pt_ratio": p["step_ratio"],
-                          "mc": why[other["status"]] if other else "missing"})
+            mc_why = why[other["status"]] if other else "missing"
+            if other is None and floor is not None and p["peak_bytes"] < floor:
+                mc_why = f"infeasible (below min_feasible_bytes {mib(floor)} MiB)"
+            pairs.append({"pytorch": label(p), "pt_peak": p["peak_bytes"], "pt_ratio": p["step_ratio"], "mc": mc_why})
             continue
         rel = m["step_ratio"] / p["step_ratio"]
         pairs.append({"pytorch": label(p), "pt_peak": p["peak_bytes"], "pt_ratio": p["step_ratio"],
@@ -387,6 +392,8 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
            f"{args.time_limit} s. 2-core machine shared with other jobs: step times are noisy; every step ratio is "
            "against plain Inductor timed in the same process, interleaved. Command: `python benchmarks/pareto.py "
            + " ".join(sys.argv[1:]) + "`.\n"]
+    if args.note:
+        out.append(args.note + "\n")
     verdicts = {}
     for model, recs in by_model.items():
         first = next((r for r in recs if r.get("status") == "ok"), {})
@@ -481,7 +488,8 @@ def parent(args: argparse.Namespace) -> int:
             r = json.loads(line)
             by_model.setdefault(r["model"], []).append(r)
     else:
-        done = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if args.resume and jsonl.exists() else []
+        sources = [jsonl] + [Path(x) for x in (args.resume_from or "").split(",") if x]
+        done = [json.loads(ln) for src in sources if args.resume and src.exists() for ln in src.read_text().splitlines()]
         done = [r for r in done if r.get("status") not in ("crashed", "timeout", "skipped")]
         with jsonl.open("w") as sink:
             for model in args.models.split(","):
@@ -509,7 +517,9 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--report-only", action="store_true", help="rebuild .md/.png from the .jsonl")
     ap.add_argument("--resume", action="store_true", help="reuse the records of an earlier run with the same tag")
+    ap.add_argument("--resume-from", help="with --resume: more .jsonl files whose records may be reused")
     ap.add_argument("--cache-dir", help="Inductor cache directory to use (default: a fresh temporary one)")
+    ap.add_argument("--note", help="a paragraph for the report (how the records were produced)")
     ap.add_argument("--inputs", help="with --report-only: comma-separated .jsonl files to merge (e.g. one run per model)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
