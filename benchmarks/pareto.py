@@ -345,6 +345,7 @@ def acceptance(recs: list[dict], noise: float) -> dict:
     pt = [r for r in ok if r["kind"] in PYTORCH_KINDS]
     mc = [r for r in ok if r["kind"] == "memcompile"]
     tol = max(noise, 0.02)
+    plain_peak = next((r["peak_bytes"] for r in pt if r["kind"] == "inductor"), None)
     floor = next((r["min_feasible_bytes"] for r in recs if r["kind"] == "memcompile" and r.get("status") == "infeasible"
                   and r["budget"] == 1), None)
     pairs = []
@@ -358,6 +359,8 @@ def acceptance(recs: list[dict], noise: float) -> dict:
                           and matches(r)), None)
             why = {"infeasible": "infeasible", "skipped": f"not run (> {SKIP_ABOVE}x plain Inductor's peak)"}
             mc_why = why[other["status"]] if other else "missing"
+            if other is None and plain_peak and p["peak_bytes"] > SKIP_ABOVE * plain_peak:
+                mc_why = why["skipped"]
             if other is None and floor is not None and p["peak_bytes"] < floor:
                 mc_why = f"infeasible (below min_feasible_bytes {mib(floor)} MiB)"
             pairs.append({"pytorch": label(p), "pt_peak": p["peak_bytes"], "pt_ratio": p["step_ratio"], "mc": mc_why})
@@ -471,7 +474,7 @@ def plot(by_model: dict[str, list[dict]], path: Path) -> bool:
         ax.set_title(model)
         ax.set_xlabel("measured peak (MiB)")
         ax.set_ylabel("step time / plain Inductor")
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -484,8 +487,11 @@ def parent(args: argparse.Namespace) -> int:
     by_model: dict[str, list[dict]] = {}
     if args.report_only:
         sources = [Path(x) for x in args.inputs.split(",")] if args.inputs else [jsonl]
+        seen: dict[tuple, dict] = {}  # one record per spec (a resumed run repeats the records it reused)
         for line in (ln for src in sources for ln in src.read_text().splitlines()):
             r = json.loads(line)
+            seen[tuple(r.get(k) for k in ("model", "kind", "fraction", "budget", "repeat"))] = r
+        for r in seen.values():
             by_model.setdefault(r["model"], []).append(r)
     else:
         sources = [jsonl] + [Path(x) for x in (args.resume_from or "").split(",") if x]
