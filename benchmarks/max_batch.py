@@ -1,0 +1,253 @@
+"""The largest batch that fits a fixed absolute memory budget, per method.
+
+    python benchmarks/max_batch.py                       # GPT-2 "small", budget = plain Inductor's peak at batch 4
+    python benchmarks/max_batch.py --model llama --base-batch 2
+
+Methods: plain Inductor; Inductor with torch._functorch.config.activation_memory_budget at the
+fraction that fits the most (--fractions, default 0.0, the least memory it can aim at); memcompile
+lossless; memcompile with quantize="int8" ("unavailable" when memcompile.budget() does not accept
+it). The budget is plain Inductor's measured peak at --base-batch (or --budget bytes).
+
+A batch "fits" when the step compiles and runs (no InfeasibleBudgetError) and its measured peak
+(memcompile.measure_peak, as in pareto.py) is <= the budget. Search: doubling from --base-batch
+(halving if that does not fit) until one does not fit, then bisection. Each probe is a child
+process (fresh Dynamo, config and caches). Writes benchmarks/results/max_batch{tag}.jsonl and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MARK = "MAX_BATCH_JSON:"
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    sys.path.insert(0, str(HERE))
+    import memcompile
+    from hf_models import build
+
+    bench = build(spec["model"], spec["size"], **{spec["dim"]: spec["value"]})
+    rec = dict(spec)
+    method = spec["method"]
+    if method == "inductor_amb":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = spec["fraction"]
+    if method.startswith("memcompile"):
+        extra = {"quantize": "int8"} if method == "memcompile_int8" else {}
+        try:
+            backend = memcompile.budget(spec["budget"], time_limit_s=spec["time_limit"], **extra)
+        except TypeError as e:
+            return {**rec, "status": "unavailable", "error": str(e)}
+        fn = torch.compile(bench.module, backend=backend)
+    else:
+        fn = torch.compile(bench.module)
+    try:
+        fn(*bench.inputs).backward()
+    except memcompile.InfeasibleBudgetError as e:
+        return {**rec, "status": "infeasible", "fits": False, "min_feasible_bytes": e.min_feasible_bytes}
+    bench.module.zero_grad(set_to_none=True)
+    fn(*bench.inputs).backward()  # warm-up
+    bench.module.zero_grad(set_to_none=True)
+    m = memcompile.measure_peak(lambda: fn(*bench.inputs).backward(), live_at_start=[bench.module, *bench.inputs])
+    rec.update(status="ok", peak_bytes=m.peak_bytes)
+    if spec.get("budget") is not None:
+        rec["fits"] = m.peak_bytes <= spec["budget"]
+    return rec
+
+
+def run_child(spec: dict, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=args.cache_dir, OMP_NUM_THREADS=str(args.threads))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=args.child_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": "timeout", "fits": False}
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return {**json.loads(line[len(MARK):]), "child_wall_s": time.perf_counter() - t0}
+    return {**spec, "status": "crashed", "fits": False, "stderr_tail": proc.stderr[-3000:]}
+
+
+def largest_fitting(fits, start: int, limit: int, rel_tol: float = 0.0) -> tuple[int, list[int]]:
+    """Largest n in [1, limit] with fits(n) (fits assumed monotone): doubling from start, then bisection
+    until the first failing size is within rel_tol of the answer (0: exact).
+
+    Returns (n, probed values); n = 0 if even 1 does not fit."""
+    probed: list[int] = []
+
+    def probe(n: int) -> bool:
+        probed.append(n)
+        return fits(n)
+
+    n = start
+    if probe(n):
+        lo, hi = n, None
+        while hi is None:
+            nxt = min(2 * lo, limit)
+            if nxt == lo:
+                return lo, probed
+            if probe(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+    else:
+        hi, lo = n, 0
+        while lo == 0 and hi > 1:
+            nxt = hi // 2
+            if probe(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+        if lo == 0:
+            return 0, probed
+    while hi - lo > max(1, int(rel_tol * lo)):
+        mid = (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probed
+
+
+def markdown(rows: list[dict], args: argparse.Namespace, budget: int, base: dict) -> str:
+    plain = next((r["max"] for r in rows if r["method"] == "inductor"), None)
+    out = [f"# Largest {args.dim} within a fixed budget: {args.model} ({args.size})\n",
+           f"Budget {budget:,} B ({budget / 2**20:.2f} MiB) = plain Inductor's measured peak at {args.dim} "
+           f"{args.base_batch}." if args.budget is None or args.budget == base.get("peak_bytes")
+           else f"Budget {budget:,} B (plain Inductor's peak at {args.dim} {args.base_batch}: {base.get('peak_bytes', 0):,} B).",
+           f" torch CPU, {args.threads} threads. Command: `python benchmarks/max_batch.py {' '.join(sys.argv[1:])}`.\n",
+           f"| method | max {args.dim} | x plain Inductor | peak at max (MiB) | probes ({args.dim}: fits?) |",
+           "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r.get("unavailable"):
+            out.append(f"| {r['label']} | unavailable | - | - | {r['unavailable'][:120]} |")
+            continue
+        ratio = "-" if not plain else f"{r['max'] / plain:.2f}"
+        peak = r.get("peak_at_max")
+        ff = r.get("first_failing")
+        bound = "" if ff in (None, r["max"] + 1) else f" (< {ff})"
+        out.append(f"| {r['label']} | {r['max']}{bound} | {ratio} | {'-' if peak is None else f'{peak / 2**20:.2f}'} | "
+                   + ", ".join(f"{p['value']}: {'yes' if p.get('fits') else p.get('status')}" for p in r["probes"]) + " |")
+    out.append("\nfits = compiled and ran without InfeasibleBudgetError, and measured peak (memcompile.measure_peak)"
+               " <= budget. Targets: memcompile lossless >= 2x plain Inductor, with int8 >= 3x.")
+    return "\n".join(out)
+
+
+def parent(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    common = {"model": args.model, "size": args.size, "dim": args.dim, "threads": args.threads,
+              "time_limit": args.time_limit}
+    done = []
+    if args.resume and (RESULTS / f"max_batch{args.tag}.jsonl").exists():
+        done = [json.loads(ln) for ln in (RESULTS / f"max_batch{args.tag}.jsonl").read_text().splitlines()]
+        done = [r for r in done if r.get("status") in ("ok", "infeasible")]
+
+    def probe_child(spec: dict) -> dict:
+        old = next((r for r in done if all(r.get(k) == v for k, v in spec.items())), None)
+        return old if old is not None else run_child(spec, args)
+
+    base = probe_child({**common, "method": "inductor", "value": args.base_batch, "budget": args.budget})
+    if base.get("status") != "ok":
+        print(base)
+        return 2
+    budget = args.budget or base["peak_bytes"]
+    print(f"[{time.perf_counter() - t0:5.0f}s] budget {budget:,} B", flush=True)
+    methods = [("inductor", {}, "plain Inductor"), ("memcompile", {}, "memcompile lossless")]
+    methods += [("inductor_amb", {"fraction": f}, f"Inductor activation_memory_budget={f}") for f in args.fractions]
+    methods += [("memcompile_int8", {}, "memcompile int8")]
+    plain_max = None
+    rows: list[dict] = []
+    with (RESULTS / f"max_batch{args.tag}.jsonl").open("w") as sink:
+        for method, extra, label in methods:
+            probes: list[dict] = []
+            unavailable: list[str] = []
+
+            def fits(n: int) -> bool:
+                if unavailable:
+                    return False
+                r = probe_child({**common, **extra, "method": method, "value": n, "budget": budget})
+                sink.write(json.dumps(r) + "\n")
+                sink.flush()
+                probes.append(r)
+                print(f"[{time.perf_counter() - t0:5.0f}s] {label} {args.dim}={n}: {r.get('status')} "
+                      f"fits={r.get('fits')} peak={r.get('peak_bytes')}", flush=True)
+                if r.get("status") == "unavailable":
+                    unavailable.append(r["error"])
+                return bool(r.get("fits"))
+
+            # the others start at 2x plain Inductor's largest (the target): fewer compiles
+            start = args.base_batch if plain_max is None else max(1, 2 * plain_max)
+            tol = 0.0 if method == "inductor" else args.rel_tol
+            best, _ = largest_fitting(fits, start, args.limit, tol)
+            if method == "inductor":
+                plain_max = best
+            failed = sorted(p["value"] for p in probes if not p.get("fits") and p["value"] > best)
+            at = next((p for p in probes if p["value"] == best and p.get("fits")), {})
+            rows.append({"method": method, "label": label, "max": best, "peak_at_max": at.get("peak_bytes"),
+                         "first_failing": failed[0] if failed else None,
+                         "probes": probes, "unavailable": unavailable[0] if unavailable else None, **extra})
+    amb = [r for r in rows if r["method"] == "inductor_amb"]
+    if len(amb) > 1:  # PyTorch's best fraction only
+        best = max(amb, key=lambda r: r["max"])
+        rows = [r for r in rows if r["method"] != "inductor_amb" or r is best]
+    md = markdown(rows, args, budget, base)
+    (RESULTS / f"max_batch{args.tag}.md").write_text(md + "\n")
+    (RESULTS / f"max_batch{args.tag}_summary.json").write_text(
+        json.dumps({"budget": budget, "base": base, "rows": rows}, indent=2) + "\n")
+    print(md)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--dim", default="batch", choices=("batch", "seq"))
+    ap.add_argument("--base-batch", type=int, default=4, help="the budget is plain Inductor's peak at this size")
+    ap.add_argument("--budget", type=int, help="absolute budget in bytes instead")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--limit", type=int, default=256, help="largest size tried")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=5.0)
+    ap.add_argument("--child-timeout", type=float, default=900.0)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--rel-tol", type=float, default=0.15,
+                    help="stop bisecting (all but plain Inductor) when the first failing size is within this of the answer")
+    ap.add_argument("--resume", action="store_true", help="reuse probes of an earlier run with the same tag")
+    ap.add_argument("--cache-dir", help="Inductor cache directory to use (default: a fresh temporary one)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is None:
+        if args.cache_dir:
+            return parent(args)
+        with tempfile.TemporaryDirectory(prefix="memcompile_max_batch_inductor_") as d:
+            args.cache_dir = d
+            return parent(args)
+    spec = json.loads(args.child)
+    try:
+        rec = child(spec)
+    except Exception as e:
+        rec = {**spec, "status": "crashed", "fits": False, "error": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc()[-4000:]}
+    print(MARK + json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

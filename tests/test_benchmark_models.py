@@ -1,0 +1,74 @@
+"""The benchmark's Hugging Face models compile to one graph and train like eager PyTorch.
+
+benchmarks/pareto.py compares memcompile's single plan per step against PyTorch; a graph break
+would split the step into several graphs planned separately, so each builder (and its per-block
+checkpointing variant) must compile with fullgraph=True. Tiny configs, memcompile's FX-interpreter
+codegen (no Inductor): about 1 minute for all ten on 2 cores. Skipped without transformers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import memcompile  # noqa: E402
+from hf_models import MODELS, build  # noqa: E402
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "block_checkpoint"])
+@pytest.mark.parametrize("name", MODELS)
+def test_builder_is_one_graph_with_eager_gradients(name: str, checkpointing: bool) -> None:
+    eager = build(name, "tiny")
+    eager.module(*eager.inputs).backward()
+    ref = _grads(eager.module)
+
+    bench = build(name, "tiny")
+    if checkpointing:
+        bench.enable_block_checkpointing()
+        assert any(getattr(m, "gradient_checkpointing", False) or "forward" in vars(m)
+                   for m in bench.module.modules()), "checkpointing switch changed nothing"
+    backend = memcompile.budget(10**12, codegen="aot_eager")
+    compiled = torch.compile(bench.module, backend=backend, fullgraph=True)
+    loss = compiled(*bench.inputs)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+
+    assert len(backend.plans) == 1  # one joint graph: the whole training step
+    got = _grads(bench.module)
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for n, r in ref.items():
+        torch.testing.assert_close(got[n], r, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{name} grad {n}: {m}")
+
+
+def test_builders_are_deterministic_and_reject_bad_names() -> None:
+    a, b = build("gpt2", "tiny", seed=3), build("gpt2", "tiny", seed=3)
+    for (na, pa), (nb, pb) in zip(a.module.named_parameters(), b.module.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    assert all(torch.equal(x, y) for x, y in zip(a.inputs, b.inputs))
+    assert build("bert", "tiny", batch=3).inputs[0].shape[0] == 3
+    with pytest.raises(ValueError, match="model name"):
+        build("gpt3", "tiny")
+    with pytest.raises(ValueError, match="size"):
+        build("gpt2", "huge")
+    with pytest.raises(ValueError, match="overrides"):
+        build("gpt2", "tiny", colour=1)
+
+
+@pytest.mark.parametrize("start", [1, 3, 8])
+@pytest.mark.parametrize("largest", [0, 1, 2, 5, 8, 13, 64, 255, 400])
+def test_max_batch_search_finds_the_largest_fitting_size(start: int, largest: int) -> None:
+    from max_batch import largest_fitting
+
+    found, probed = largest_fitting(lambda n: n <= largest, start, limit=256)
+    assert found == min(largest, 256)
+    assert len(probed) == len(set(probed)) <= 20  # no size probed twice (each probe is a compile)
