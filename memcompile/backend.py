@@ -191,18 +191,15 @@ class _Region:
         try:
             return compile_for(outside)
         except InfeasibleBudgetError as error:
-            shortfall = error.min_feasible_bytes - self.backend.options.budget_bytes
-            ledger = self.backend.ledger
-            if not ledger.earlier_plans_stale(position) and not ledger.squeeze_before(position, shortfall):
+            if not self.backend.ledger.earlier_plans_stale(position):
                 raise
-            # Earlier regions of this step run plans made before the later regions were known,
-            # or keep activations this region needs room for (regions are planned in call
-            # order); they are re-planned with less on their next call. Rather than stop a
-            # budget that may well fit once they are, run this step with the least this region
-            # can hold.
-            log.warning("memcompile: this step may run %s over the budget while its regions are "
-                        "(re-)planned (earlier regions keep activations a later one needs room for); "
-                        "they are re-planned on their next call", format_bytes(shortfall))
+            # Earlier regions of this step still run plans made before the later regions were
+            # known; they are re-planned on their next call. Rather than stop a budget that may
+            # well fit once they are, run this step with the least this region can hold.
+            shortfall = error.min_feasible_bytes - self.backend.options.budget_bytes
+            log.warning("memcompile: this step may run %s over the budget while its regions are first "
+                        "compiled (earlier regions were planned before later ones existed); they are "
+                        "re-planned on their next call", format_bytes(shortfall))
             return compile_for(max(0, outside - shortfall))
 
     def _replan(self, position: int, outside: int) -> _Variant:

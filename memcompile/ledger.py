@@ -97,9 +97,6 @@ class StepLedger:
     def __init__(self) -> None:
         self._slots: list[Footprint | None] = []
         self._planned_outside: list[int] = []  # per position: the outside bytes its plan assumed
-        # Per position: bytes it must leave free for later regions (planned greedily in call
-        # order, an earlier region may keep what a later one needs; see `squeeze_before`).
-        self._squeeze: dict[int, int] = {}
         self._position = 0
         self._backward_seen = False
         self._lock = threading.Lock()
@@ -153,27 +150,10 @@ class StepLedger:
 
     # -- budget --------------------------------------------------------------------------
     def outside_bytes(self, position: int) -> int:
-        """Bytes other regions hold while the region at `position` runs (module docstring), plus
-        what it must leave free for later regions."""
+        """Bytes other regions hold while the region at `position` runs (module docstring)."""
         with self._lock:
             slots = list(self._slots)
-            squeeze = self._squeeze.get(position, 0)
-        return outside_bytes(slots, position) + squeeze
-
-    def squeeze_before(self, position: int, shortfall: int) -> bool:
-        """Ask the regions before `position` to keep `shortfall` fewer bytes of activations
-        (shared in proportion to what they keep): they re-plan on their next call. False when
-        they keep nothing that could make room."""
-        with self._lock:
-            kept = {j: s.saved_bytes for j, s in enumerate(self._slots[:position])
-                    if s is not None and s.saved_bytes > self._squeeze.get(j, 0)}
-            room = sum(b - self._squeeze.get(j, 0) for j, b in kept.items())
-            if room <= 0:
-                return False
-            for j, b in kept.items():
-                share = -(-shortfall * (b - self._squeeze.get(j, 0)) // room)  # ceil
-                self._squeeze[j] = min(b, self._squeeze.get(j, 0) + share)
-            return True
+        return outside_bytes(slots, position)
 
     def predicted_step_peak(self) -> int:
         """Max over positions of (own peak + what the others hold then), over the last known step."""
