@@ -8,6 +8,7 @@ and it solves again, so the plan returned always has predicted peak <= budget.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -215,10 +216,18 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_ho
     least = solve_cached(solve_min_peak, problem, time_limit_s=options.time_limit_s,
                          workers=options.workers, seed=options.seed)
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, offload_on_host)
-    frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    if frugal != least.decisions:
-        peak, added = evaluate(problem, *frugal)
-        other = _rewrite_and_check(joint, analysis, ActivationSolution(*frugal, peak, added, "least_peak_fallback",
+    others = [close_decisions(problem, prefer_recompute=set(range(len(problem.names))))]
+    if problem.store_choices:
+        # Store choices enlarge the model; within the same deterministic time its search can end
+        # above the keep/recompute-only optimum, which is also a valid plan: never report worse.
+        plain = solve_cached(solve_min_peak, dataclasses.replace(problem, store_choices=(), created_at=()),
+                             time_limit_s=options.time_limit_s, workers=options.workers, seed=options.seed)
+        others.append(plain.decisions)
+    for decisions in others:
+        if decisions == least.decisions:
+            continue
+        peak, added = evaluate(problem, *decisions)
+        other = _rewrite_and_check(joint, analysis, ActivationSolution(*decisions, peak, added, least.status,
                                                                        0.0, 0.0), num_fwd_outputs, offload_on_host)
         if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
             attempt = other
