@@ -8,6 +8,8 @@ reader; recomputations that read a stored tensor read the converted copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
@@ -95,15 +97,12 @@ def _insert_stored_forms(joint, analysis: JointAnalysis, recompute: frozenset[in
     module = fx.GraphModule(joint, graph)
     # Candidates are now only what the rewrite still recomputes from forward nodes; stored ones are
     # reached through their saved forms.
-    mapped = JointAnalysis(
-        problem=analysis.problem,
+    mapped = dataclasses.replace(
+        analysis,
         candidates=tuple(loaded.get(c, c) if c not in stored_nodes else c for c in candidates),
         primals=tuple(new(p) for p in analysis.primals),
         forward_nodes=tuple(new(n) for n in analysis.forward_nodes),
         backward_nodes=tuple(backward_nodes),
         static_lifetime_inputs=frozenset(new(n) for n in analysis.static_lifetime_inputs),
-        cannot_recompute_reason=analysis.cannot_recompute_reason,
-        cannot_keep_reason=analysis.cannot_keep_reason,
-        not_stored_reason=analysis.not_stored_reason,
     )
     return module, mapped, saved_forms

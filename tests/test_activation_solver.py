@@ -54,12 +54,23 @@ def problems(draw, max_candidates=6):
 
 
 def _all_consistent_plans(problem):
-    n = len(problem.names)
-    for choice in itertools.product((None, "keep", "recompute"), repeat=n):
+    """Every consistent (keep, recompute, stored) plan, store choices included where the problem has them."""
+    options_per = [[None, "keep", "recompute"] + [("store", k) for k in range(len(problem.choices_of(i)))]
+                   for i in range(len(problem.names))]
+    for choice in itertools.product(*options_per):
         keep = frozenset(i for i, c in enumerate(choice) if c == "keep")
         recompute = frozenset(i for i, c in enumerate(choice) if c == "recompute")
-        if is_consistent(problem, keep, recompute):
-            yield keep, recompute
+        stored = frozenset((i, c[1]) for i, c in enumerate(choice) if isinstance(c, tuple))
+        if is_consistent(problem, keep, recompute, stored):
+            yield keep, recompute, stored
+
+
+def brute_force(problem, fraction):
+    """(budget a fraction of the way from the least to the largest peak, added times of the plans within it)."""
+    plans = list(_all_consistent_plans(problem))
+    peaks = [evaluate(problem, *p)[0] for p in plans]
+    budget = int(min(peaks) + fraction * (max(peaks) - min(peaks)))
+    return budget, [evaluate(problem, *p)[1] for p, peak in zip(plans, peaks) if peak <= budget]
 
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -68,10 +79,7 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(Healt
 @FAST
 @given(problems(), st.floats(0.0, 1.5))
 def test_solver_matches_brute_force(problem, fraction):
-    plans = list(_all_consistent_plans(problem))
-    peaks = [evaluate(problem, *p)[0] for p in plans]
-    budget = int(min(peaks) + fraction * (max(peaks) - min(peaks)))
-    feasible = [evaluate(problem, *p)[1] for p, peak in zip(plans, peaks) if peak <= budget]
+    budget, feasible = brute_force(problem, fraction)
     result = solve_activation_plan(problem, budget, time_limit_s=5)
     if not feasible:
         assert result.status == "infeasible"

@@ -7,7 +7,6 @@ copy is a plain copy, so gradients must equal eager exactly.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -17,6 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import memcompile
 from memcompile.passes.stored_forms import stored_nbytes
+from test_activation_solver import brute_force
 from memcompile.solver.activations import (
     ActivationProblem,
     StoreChoice,
@@ -119,24 +119,10 @@ def problems_with_choices(draw):
     )
 
 
-def _all_plans(problem):
-    options_per = [[None, "keep", "recompute"] + [("store", k) for k in range(len(problem.choices_of(i)))]
-                   for i in range(len(problem.names))]
-    for choice in itertools.product(*options_per):
-        keep = frozenset(i for i, c in enumerate(choice) if c == "keep")
-        recompute = frozenset(i for i, c in enumerate(choice) if c == "recompute")
-        stored = frozenset((i, c[1]) for i, c in enumerate(choice) if isinstance(c, tuple))
-        if is_consistent(problem, keep, recompute, stored):
-            yield keep, recompute, stored
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(problems_with_choices(), st.floats(0.0, 1.2))
 def test_solver_with_store_choices_matches_brute_force(problem, fraction):
-    plans = list(_all_plans(problem))
-    peaks = [evaluate(problem, *p)[0] for p in plans]
-    budget = int(min(peaks) + fraction * (max(peaks) - min(peaks)))
-    feasible = [evaluate(problem, *p)[1] for p, peak in zip(plans, peaks) if peak <= budget]
+    budget, feasible = brute_force(problem, fraction)
     result = solve_activation_plan(problem, budget, time_limit_s=5)
     if not feasible:
         assert result.status == "infeasible"

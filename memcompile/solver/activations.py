@@ -299,8 +299,7 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
             best_plan, best_peak = plan, peak
         if peak <= budget_bytes:
             return plan
-        start, end = placed[0], fine_ends(problem, plan[1], placed[0])
-        end = [e // (len(problem.names) + 1) for e in end]
+        start, end = placed
         moves = []
         for i in plan[0]:
             if i in prefer or problem.nbytes[i] == 0:
