@@ -172,7 +172,7 @@ def analyze_joint_graph(
     for n in nodes:
         for i in n.all_input_nodes:
             r = root[i]
-            if n in fw_set:
+            if n in required_fw:  # unclaimed forward-side nodes run in backward, if at all
                 fw_last_read[r] = max(fw_last_read.get(r, NEVER), step[n])
             elif n in bw_set:
                 for key in {r, i}:  # the storage and the node itself (views read directly)
@@ -183,6 +183,9 @@ def analyze_joint_graph(
         fw_last_read[root[o]] = last
 
     fixed = [0] * (num_steps + 1)
+    grad_roots = {root[g] for g in grad_outputs}  # a gradient may be a view (e.g. of an mm's result)
+    # A tuple member is allocated by the op that returns the tuple, not by its getitem.
+    born = {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
 
     def add(nbytes: int, start: int, end: int) -> None:
         if nbytes and start <= end:
@@ -209,8 +212,8 @@ def analyze_joint_graph(
             continue
         size = tensor_nbytes(n.meta.get("val"))
         if n in bw_set:
-            end = last if n in grad_outputs else max(bw_last_read.get(n, NEVER), step[n])
-            add(size, step[n], end)
+            end = last if n in grad_roots else max(bw_last_read.get(n, NEVER), step[n])
+            add(size, born[n], end)
         elif n not in candidate_set:
             end = fw_last_read.get(n, NEVER)
             add(size, step[n], max(end, step[n]))
@@ -230,7 +233,7 @@ def analyze_joint_graph(
         in_forward = c in required_fw
         fw_end = max(fw_last_read.get(c, NEVER), step[c]) if in_forward else NEVER
         if in_forward and own_bytes:
-            add(own_bytes, step[c], fw_end)  # forward lifetime: the same whatever we decide
+            add(own_bytes, born[c], fw_end)  # forward lifetime: the same whatever we decide
         unit = compute_unit(c)
         if unit not in cost_of_unit:
             # Unclaimed nodes (forward values only the backward reads) run once either way:

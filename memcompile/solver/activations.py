@@ -281,13 +281,16 @@ def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[
     return problem.nbytes[i] if choice.release_step < t < reload_step(problem, i, choice, start[i]) else 0
 
 
-def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozenset[int], frozenset[int], Stored]:
-    """Start from keeping everything; while the peak is over budget, change the kept tensor live
-    at the peak step that frees the most bytes there per second of added time (recompute it, or
-    store it as one of its store choices). Always a consistent plan; returns the first under
-    budget, else the one with the least peak seen."""
-    prefer: set[int] = set()
-    prefer_store: dict[int, int] = {}
+def greedy_plan(
+    problem: ActivationProblem, budget_bytes: int,
+    start_from: tuple[frozenset[int], frozenset[int], Stored] | None = None, store_only: bool = False,
+) -> tuple[frozenset[int], frozenset[int], Stored]:
+    """Start from keeping everything (or from `start_from`); while the peak is over budget, change
+    the kept tensor live at the peak step that frees the most bytes there per second of added
+    time (recompute it, unless `store_only`, or store it as one of its store choices). Always a
+    consistent plan; returns the first under budget, else the one with the least peak seen."""
+    prefer: set[int] = set(start_from[1]) if start_from else set()
+    prefer_store: dict[int, int] = dict(start_from[2]) if start_from else {}
     plan = close_decisions(problem, prefer, prefer_store)
     best_plan, best_peak = plan, None
     for _ in range(2 * len(problem.names) + 1):
@@ -305,7 +308,7 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
             if i in prefer or problem.nbytes[i] == 0:
                 continue
             options = [("store", k) for k in range(len(problem.choices_of(i)))]
-            if problem.can_recompute[i]:
+            if problem.can_recompute[i] and not store_only:
                 options.append(("recompute", -1))
             for move in options:
                 freed = _bytes_freed_at(problem, i, move, t, start, end)
