@@ -340,11 +340,13 @@ def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[
 def greedy_plan(
     problem: ActivationProblem, budget_bytes: int,
     start_from: tuple[frozenset[int], frozenset[int], Stored] | None = None, store_only: bool = False,
+    per_second: bool = True,
 ) -> tuple[frozenset[int], frozenset[int], Stored]:
     """Start from keeping everything (or from `start_from`); while the peak is over budget, change
     the kept tensor live at the peak step that frees the most bytes there per second of added
-    time (recompute it, unless `store_only`, or store it as one of its store choices). Always a
-    consistent plan; returns the first under budget, else the one with the least peak seen."""
+    time (or the most bytes, without `per_second`): recompute it, unless `store_only`, or store
+    it as one of its store choices. Always a consistent plan; returns the first under budget,
+    else the one with the least peak seen."""
     prefer: set[int] = set(start_from[1]) if start_from else set()
     prefer_store: dict[int, int] = dict(start_from[2]) if start_from else {}
     plan = close_decisions(problem, prefer, prefer_store)
@@ -373,7 +375,7 @@ def greedy_plan(
                 cost = (problem.recompute_cost_s[i] if move[0] == "recompute"
                         else problem.choices_of(i)[move[1]].time_cost_s + problem.choices_of(i)[move[1]].link_s)
                 if freed > 0:
-                    moves.append((freed / (cost + 1e-9), -i, move, i))
+                    moves.append((freed / (cost + 1e-9) if per_second else freed, -i, move, i))
         if not moves:
             break
         _, _, move, pick = max(moves)
@@ -658,7 +660,8 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     outcome = run_model(built.model, time_limit_s=2 * time_limit_s, workers=1, seed=seed,
                         extra_params={"max_deterministic_time": time_limit_s})
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    options = [frugal, greedy_plan(problem, 0)] + ([_decisions_from(outcome, built)] if outcome.has_solution else [])
+    options = [frugal, greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
+    options += [_decisions_from(outcome, built)] if outcome.has_solution else []
     best = min(options, key=lambda d: evaluate(problem, *d))
     peak, added = evaluate(problem, *best)
     # The status speaks of the peak, not of time: this plan minimises memory, then stops.
