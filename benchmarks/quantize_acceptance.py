@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    load_at_start = os.getloadavg()[0]
     batch, seq, d = 8, 128, 128
     model = make_gpt(n_blocks=args.blocks, d_model=d)
     x, y = make_input(batch, seq, d), make_target(batch, seq, d)
@@ -134,6 +136,7 @@ def main() -> None:
         "keep_all_predicted_peak": free, "keep_all_measured_peak": base_peak,
         "smallest_budget_recompute_only": low_lossless, "smallest_budget_int8": low_int8,
         "rows": rows, "loss_curve_budget": curve_budget, "loss_curves": curves,
+        "load_average": [load_at_start, os.getloadavg()[0]],
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "quantize_acceptance.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -141,7 +144,8 @@ def main() -> None:
     lines = [
         f"# int8 vs recompute only ({result['model']})", "",
         f"keep-all: predicted {free / mib:.2f} MiB, measured {base_peak / mib:.2f} MiB",
-        "step ratio: median variant step / median plain-Inductor step, the two timed alternately (7 each)",
+        "step ratio: median variant step / median plain-Inductor step, the two timed alternately (7 each); "
+        f"1-min load average {result['load_average'][0]:.1f} at the start, {result['load_average'][1]:.1f} at the end",
         f"smallest feasible budget: recompute only {low_lossless / mib:.2f} MiB, with int8 {low_int8 / mib:.2f} MiB", "",
         "| budget | variant | measured peak | <= budget | predicted added ms | step ratio | grad rel err | choices |",
         "|---|---|---|---|---|---|---|---|",
