@@ -250,7 +250,7 @@ def checkpoint_policy(node: fx.Node) -> str:
 _POINTWISE_LOWERINGS = frozenset({
     "convert_element_type", "clone", "_to_copy", "full", "full_like", "scalar_tensor", "iota",
     "embedding", "index", "gather", "constant_pad_nd", "where", "masked_fill", "_unsafe_index",
-    "zeros_like", "ones_like", "fill",
+    "zeros_like", "ones_like", "fill", "slice_scatter",
 })
 # Lowered with make_reduction (realized unless unrolled: reductions over <= 8 elements).
 _REDUCTIONS = frozenset({
