@@ -154,3 +154,46 @@ def test_inlined_bodies_hold_no_buffer_but_keep_their_inputs_alive():
     # Fused: `big`, `ones * 3` and `big + z` are bodies of the one reduction kernel: inputs + scratch.
     assert fused.peak_bytes < inputs + n * 4
     assert fused.peak_bytes >= inputs
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_stored_result_takes_over_a_dying_input_read_at_the_same_element(transposed):
+    n = 256
+
+    def f(x, w, v):
+        h = x @ v  # live across, so the step of `e` is the peak
+        a = x @ w
+        e = torch.exp(a.t() if transposed else a)  # stored: reused, heavy
+        return ((e.sum() + (e * h).sum()),)
+
+    x, w, v = torch.randn(n, n), torch.randn(n, n), torch.randn(n, n)
+    gm = _traced(f, x, w, v)
+    fused = analyze_liveness(gm, None, 1, fuse_pointwise=True)
+    block = n * n * 4
+    inputs = 3 * block
+    # `e` written over `a` (Inductor's inplace_buffers): h + e; through a transpose it cannot be.
+    expected_live = 3 * block if transposed else 2 * block
+    assert fused.peak_bytes >= inputs + expected_live
+    assert fused.peak_bytes < inputs + expected_live + block // 2
+
+
+def test_a_dead_buffer_is_held_until_a_later_allocation_of_its_size_reuses_it():
+    n = 256
+
+    def f(x, w, v, u):
+        p = x @ w
+        q = p @ w
+        s = p.sum() + q.sum()  # p and q die here
+        c = x @ v  # the size and dtype of p and q: takes one of them over
+        d = u @ u  # a different size: never a reuse
+        return ((c * s).sum() + d.sum(),)
+
+    x, w, v, u = torch.randn(n, n), torch.randn(n, n), torch.randn(n, n), torch.randn(n // 2, n // 2)
+    gm = _traced(f, x, w, v, u)
+    timeline = analyze_liveness(gm, None, 1, fuse_pointwise=True)
+    block, inputs = n * n * 4, 3 * n * n * 4 + (n // 2) ** 2 * 4
+    # between the death of p, q and the allocation of c, one of them stays allocated (not both)
+    sums = [s for s in timeline.steps if s.node.startswith("add")]
+    assert sums and all(inputs + block <= s.live_bytes < inputs + 2 * block for s in sums[:1])
+    plain_pool = [s for s in analyze_liveness(gm, None, 1).steps if s.node.startswith("add")]
+    assert plain_pool[0].live_bytes < inputs + block  # the FX interpreter frees them at once
