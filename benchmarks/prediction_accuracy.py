@@ -27,6 +27,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+# Measure the fusion-aware check alone (by default the planner takes the larger of it and the
+# every-node-a-buffer count: memcompile/planner.py FUSION_CHECK_ALONE).
+os.environ.setdefault("MEMCOMPILE_FUSION_CHECK", "1")
+
 import memcompile  # noqa: E402
 from memcompile import planner  # noqa: E402
 from memcompile.passes.liveness import analyze_liveness  # noqa: E402
