@@ -161,7 +161,11 @@ def report(rows: list[dict]) -> str:
         "runs; `old`: the same graphs with every FX node a buffer (the prediction before). Budget fraction f: "
         "budget = min_feasible + f x (no-plan prediction - min_feasible); `-` = no plan (1 TB budget). "
         "Measured: `memcompile.measure_peak` (CPU allocator events) of the second step. "
-        "Command: `python benchmarks/prediction_accuracy.py`.",
+        "The planner ran with `MEMCOMPILE_FUSION_CHECK=1` (the script sets it): plans were chosen and checked "
+        "with the fusion-aware prediction; by default memcompile still checks with `old`. "
+        "Plans at f = 0 / 0.5 depend on the solver's wall-clock limit (5 s, shared 2-core machine under load), "
+        "so a re-run may pick other plans. Peaks are not timing-dependent. "
+        "Command: `python benchmarks/prediction_accuracy.py` (HF models need the `bench` extra).",
         "",
         "| model | f | budget MiB | status | predicted MiB | old MiB | measured MiB | predicted / measured | old / measured | measured <= budget |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -78,21 +78,20 @@ def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, offload_on_ho
     return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse))
 
 
-# The fusion-aware prediction alone decides only when MEMCOMPILE_FUSION_CHECK=1: it was within
-# [1.0, 1.3] of Inductor's measured peak on most models but fell 4-10% below it on Llama plans
-# at tight budgets (benchmarks/results/prediction_accuracy.md), so by default the check takes the
-# larger of it and the every-node-a-buffer count, which stayed above every measured peak.
+# The fusion-aware prediction (passes/fusion.py) decides only when MEMCOMPILE_FUSION_CHECK=1: it
+# was within [1.0, 1.3] of Inductor's measured peak on most models but fell 4-10% below it on
+# Llama plans at tight budgets (benchmarks/results/prediction_accuracy.md; cause not found yet),
+# so by default every node's result counts as a buffer, as before (above every measured peak).
 FUSION_CHECK_ALONE = os.environ.get("MEMCOMPILE_FUSION_CHECK", "") == "1"
 
 
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
     """The liveness of the graphs as they will run. Under Inductor: of copies after Inductor's
     post-grad passes (they move ops: `mm + add` becomes one addmm at the add, holding the mm's
-    inputs until then), with its fusion modelled (passes/fusion.py); unless FUSION_CHECK_ALONE,
-    the higher of that and every FX node a buffer. If those passes fail on a copy, every FX node
-    counts as a buffer."""
+    inputs until then), with its fusion modelled (passes/fusion.py), when FUSION_CHECK_ALONE;
+    otherwise, or if those passes fail on a copy, every FX node counts as a buffer."""
     unfused = analyze_liveness(fw, bw, num_fwd_outputs)
-    if not inductor:
+    if not inductor or not FUSION_CHECK_ALONE:
         return unfused
     try:
         fw_seen, bw_seen = tp.inductor_post_grad_copy(fw), tp.inductor_post_grad_copy(bw)
@@ -100,10 +99,7 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
         log.warning("memcompile: Inductor's post-grad passes failed on a copy of the graphs (%s: %s); "
                     "predicting without fusion", type(error).__name__, error)
         return unfused
-    fused = analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True)
-    if FUSION_CHECK_ALONE or fused.peak_bytes >= unfused.peak_bytes:
-        return fused
-    return unfused
+    return analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True)
 
 
 def _user_line(stack_trace: str) -> str:

@@ -87,7 +87,8 @@ def _measured_step(module, x, limit):
 
 
 @pytest.mark.parametrize("arch, size, depth, batch", [("attention", 32, 2, 16), ("convbn", 16, 2, 8)])
-def test_fusion_aware_prediction_bounds_measured_peaks_under_budgets(arch, size, depth, batch):
+def test_fusion_aware_prediction_bounds_measured_peaks_under_budgets(arch, size, depth, batch, monkeypatch):
+    monkeypatch.setattr(planner, "FUSION_CHECK_ALONE", True)  # MEMCOMPILE_FUSION_CHECK=1
     model, x = build(arch, size, depth, batch)
     module = WithLoss(model)
     free_plan, free_peak = _measured_step(module, x, 10**12)
