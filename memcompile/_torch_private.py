@@ -8,6 +8,7 @@ else in the package.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -195,3 +196,30 @@ def profiler_allocation_deltas(prof: Any) -> list[tuple[int, int]]:
         stack.extend(event.children)
     deltas.sort()
     return deltas
+
+
+@functools.lru_cache(maxsize=1)
+def inductor_lowering_facts() -> tuple[frozenset, frozenset, frozenset]:
+    """(ops Inductor lowers itself, ops it runs as fallback kernels, ops whose inputs it realizes)
+    from torch._inductor.lowering's tables: what passes/fusion.py predicts materialization from."""
+    from torch._inductor import lowering
+
+    return (frozenset(k for k in lowering.lowerings if isinstance(k, torch._ops.OpOverload)),
+            frozenset(lowering.fallbacks), frozenset(lowering.needs_realized_inputs))
+
+
+def inductor_post_grad_copy(gm: fx.GraphModule, is_inference: bool = False) -> fx.GraphModule:
+    """A copy of `gm` after Inductor's post-grad passes: the graph its code generation lowers
+    (compile_fx runs the same passes on the graphs we hand it; e.g. `mm + add` becomes one
+    `addmm` at the add's position, which keeps the mm's inputs alive until then)."""
+    import copy
+
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+    from torch._inductor.virtualized import V
+
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in copied.graph.nodes if n.op == "placeholder"])
+    with torch.no_grad(), V.set_fake_mode(fake_mode):
+        _recursive_post_grad_passes(copied, is_inference=is_inference)
+    return copied

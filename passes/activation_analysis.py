@@ -15,8 +15,12 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.node_cost import estimate_node_time_s
+from memcompile.passes.fusion import FusionRules, predict_fusion
 from memcompile.passes.graph_facts import (
     checkpoint_policy,
+    effective_reads,
+    fusion_facts,
+    graph_device_type,
     is_builtin_op,
     transient_bytes,
     is_aliasing_op,
@@ -119,7 +123,10 @@ def analyze_joint_graph(
     static_lifetime_input_indices: list[int],
     profile: DeviceProfile,
     store: StoreOptions = StoreOptions(),
+    fuse: bool = False,
 ) -> JointAnalysis:
+    """`fuse`: the graphs go to Inductor, so temporaries it inlines (passes/fusion.py) hold no
+    buffer and their inputs are read when their consumers run (as the liveness check counts)."""
     required_fw, required_bw, _ = tp.classify_joint_nodes(
         joint, num_fwd_outputs, static_lifetime_input_indices
     )
@@ -165,18 +172,37 @@ def analyze_joint_graph(
     candidates = [n for n in forward_nodes if n in candidate_set]
     index = {n: i for i, n in enumerate(candidates)}
 
+    # Inductor's buffers. Candidates are saved (forward outputs) or recomputed: counted as buffers
+    # here whatever the decision, an upper bound the exact check of the rewritten graphs refines.
+    inlined: frozenset[fx.Node] = frozenset()
+    either: frozenset[fx.Node] = frozenset()
+    if fuse:
+        prediction = predict_fusion(fusion_facts(joint, forced_outputs=candidate_set),
+                                    FusionRules.for_device(graph_device_type(joint)))
+        by_name = {n.name: n for n in nodes}
+        inlined = frozenset(by_name[n] for n in prediction.inlined if n in by_name)
+        either = frozenset(by_name[n] for n in prediction.either if n in by_name)
+
+    def reads_of(n: fx.Node) -> list[fx.Node]:
+        """What `n`'s kernel reads; an inlined node reads nothing itself (its consumers do)."""
+        if n in inlined:
+            return []
+        return effective_reads(n, inlined, either) if fuse else list(n.all_input_nodes)
+
     # Storage-level first/last reads, per phase.
     fw_last_read: dict[fx.Node, int] = {}
     bw_first_read: dict[fx.Node, int] = {}
     bw_last_read: dict[fx.Node, int] = {}
     for n in nodes:
-        for i in n.all_input_nodes:
+        for i in reads_of(n):
             r = root[i]
             if n in required_fw:  # unclaimed forward-side nodes run in backward, if at all
                 fw_last_read[r] = max(fw_last_read.get(r, NEVER), step[n])
             elif n in bw_set:
                 for key in {r, i}:  # the storage and the node itself (views read directly)
                     bw_last_read[key] = max(bw_last_read.get(key, NEVER), step[n])
+        if n in bw_set:
+            for i in n.all_input_nodes:  # recomputations are placed before the first FX reader
                 if i in candidate_set:
                     bw_first_read[i] = min(bw_first_read.get(i, num_steps), step[n])
     for o in user_outputs:
@@ -202,10 +228,10 @@ def analyze_joint_graph(
             add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))
     for n in forward_nodes + backward_nodes:
         unclaimed = n in fw_set and n not in required_fw  # runs in forward only if kept
-        if not unclaimed:  # (then its transients are in the liveness check, not here)
+        if not unclaimed and n not in inlined:  # (then its transients are in the liveness check, not here)
             add(transient_bytes(n), step[n], step[n], by_node=True)
-        if root[n] is not n:
-            continue  # aliases own no storage
+        if root[n] is not n or n in inlined:
+            continue  # aliases own no storage; inlined bodies own none either
         if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):
             # Tuple producers: members nobody reads exist only while the op runs.
             read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}

@@ -66,35 +66,29 @@ def is_pointwise(node: fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
-def inlined_pointwise(nodes: list[fx.Node], materialized: set[fx.Node]) -> set[fx.Node]:
-    """Pointwise nodes Inductor fuses into their only consumer, so their result is never a buffer.
-
-    A deliberately narrow rule (one user, itself pointwise, not a graph output): where Inductor
-    fuses more, we over-estimate memory, never under-estimate it.
-    """
-    inlined = set()
-    for n in nodes:
-        if n in materialized or not is_pointwise(n) or len(n.users) != 1:
-            continue
-        (user,) = n.users
-        if is_pointwise(user):
-            inlined.add(n)
-    return inlined
-
-
-def effective_reads(node: fx.Node, inlined: set[fx.Node]) -> list[fx.Node]:
-    """The buffers `node` reads once inlined producers are fused into it."""
+def effective_reads(node: fx.Node, inlined: frozenset | set, either: frozenset | set = frozenset()) -> list[fx.Node]:
+    """The buffers `node` reads once inlined producers are fused into it: an inlined producer is
+    replaced by what it reads; an `either` producer (maybe inlined) counts as both."""
     out, stack, seen = [], list(node.all_input_nodes), set()
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        if n in inlined:
+        if n in inlined or n in either:
             stack.extend(n.all_input_nodes)
-        else:
+        if n not in inlined:
             out.append(n)
     return out
+
+
+def graph_device_type(gm: fx.GraphModule) -> str:
+    """The device type of the graph's first tensor ("cpu" when it has none)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return "cpu"
 
 
 def _needs_dense_input(node: fx.Node) -> bool:
@@ -247,3 +241,119 @@ def checkpoint_policy(node: fx.Node) -> str:
         return ""
     name = getattr(tag, "name", None) or str(tag).rsplit(".", 1)[-1]
     return name
+
+
+# -- what Inductor does with a node (facts for passes/fusion.py) ------------------------------
+
+# Lowered to Pointwise bodies though not tagged pointwise (torch/_inductor/lowering.py: dtype
+# conversions, copies, constant fills, indexing loads).
+_POINTWISE_LOWERINGS = frozenset({
+    "convert_element_type", "clone", "_to_copy", "full", "full_like", "scalar_tensor", "iota",
+    "embedding", "index", "gather", "constant_pad_nd", "where", "masked_fill", "_unsafe_index",
+    "zeros_like", "ones_like", "fill", "slice_scatter",
+})
+# Lowered with make_reduction (realized unless unrolled: reductions over <= 8 elements).
+_REDUCTIONS = frozenset({
+    "sum", "mean", "amax", "amin", "argmax", "argmin", "prod", "var_mean", "var", "std", "any",
+    "all", "max", "min", "logsumexp", "std_mean",
+})
+# Computed into a fresh buffer like a reduction: `scatter(x, ...)` lowers to `scatter_(clone(x), ...)`
+# (the clone is realized, x's body inlined into it; src and index are loaded inline), index_put the
+# same; not the fallback cases of utils.use_scatter_fallback (reduce other than add/sum, GPU
+# atomics), which these are not.
+_SCATTERS = frozenset({"scatter", "scatter_add", "index_put", "_unsafe_index_put"})
+_UNROLL_REDUCTIONS_THRESHOLD = 8  # torch/_inductor/config.py unroll_reductions_threshold
+# Library kernels with a lowering that still need realized inputs (tuned_addmm's mm_args).
+_EXTERN_WITH_LOWERING = frozenset({"addmm", "baddbmm", "_int_mm", "mm", "bmm", "convolution",
+                                   "convolution_backward"})
+
+
+def _packet_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", "") or str(getattr(node.target, "__name__", node.target)).split(".")[0]
+
+
+def _is_small_reduction(node: fx.Node) -> bool:
+    inp = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    out = node.meta.get("val")
+    if isinstance(out, (tuple, list)):
+        out = out[0] if out else None
+    if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    outn = max(1, size_value(out.numel()))
+    return size_value(inp.numel()) <= _UNROLL_REDUCTIONS_THRESHOLD * outn
+
+
+def fusion_kind(node: fx.Node, lowered: frozenset, fallbacks: frozenset, realizes_inputs: frozenset) -> tuple[str, bool]:
+    """(kind for passes/fusion.py, whether Inductor realizes the node's inputs)."""
+    from memcompile.passes import fusion
+
+    if node.op == "placeholder":
+        return fusion.INPUT, False
+    if is_getitem(node):
+        return fusion.MEMBER, False
+    if node.op != "call_function":
+        return fusion.EXTERN, True
+    name = _packet_name(node)
+    needs_realized = node.target in realizes_inputs
+    if is_mutating_op(node):
+        return fusion.EXTERN, True
+    if is_aliasing_op(node):
+        return fusion.VIEW, needs_realized
+    if (node.target in fallbacks or needs_realized or name in _EXTERN_WITH_LOWERING
+            or getattr(node.target, "overloadpacket", None) is None or node.target not in lowered):
+        return fusion.EXTERN, True
+    if isinstance(node.meta.get("val"), (tuple, list)) and name not in _REDUCTIONS:
+        return fusion.EXTERN, True  # multi-output lowerings we do not model (sort, topk, ...)
+    if is_pointwise(node) or name in _POINTWISE_LOWERINGS:
+        return fusion.POINTWISE, False
+    if name in _REDUCTIONS:
+        return (fusion.SMALL_REDUCTION if _is_small_reduction(node) else fusion.REDUCTION), False
+    if name in _SCATTERS and _argument(node, "reduce", None) is None:
+        return fusion.REDUCTION, False
+    return fusion.OTHER, False
+
+
+# Library kernels Inductor calls with an `out=` buffer its wrapper allocates (extern_kernels.mm
+# etc.); other fallbacks allocate their results themselves.
+_OUT_VARIANT_EXTERNS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+def wrapper_allocates(kind: str, node: fx.Node) -> bool:
+    """Whether Inductor's wrapper allocates `node`'s result (then it may reuse a freed buffer)."""
+    from memcompile.passes import fusion
+
+    if kind in (fusion.POINTWISE, fusion.REDUCTION, fusion.SMALL_REDUCTION, fusion.OTHER):
+        return True
+    return kind == fusion.EXTERN and _packet_name(node) in _OUT_VARIANT_EXTERNS
+
+
+def fusion_facts(gm: fx.GraphModule, forced_outputs: set | frozenset = frozenset()) -> tuple:
+    """The plain facts passes/fusion.py predicts Inductor's buffers from, in graph order.
+    `forced_outputs`: nodes to treat as graph outputs too (a joint graph's saved activations)."""
+    from memcompile import _torch_private as tp
+    from memcompile.passes.fusion import HEAVY_OPS, OpFacts
+
+    lowered, fallbacks, realizes_inputs = tp.inductor_lowering_facts()
+    out = gm.graph.find_nodes(op="output")[0]
+    outputs = set(out.all_input_nodes) | set(forced_outputs)
+    facts = []
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        kind, realizes = fusion_kind(node, lowered, fallbacks, realizes_inputs)
+        tensor_inputs = tuple(a.name for a in _flat_args(node) if isinstance(a, fx.Node))
+        constants = sum(1 for a in _flat_args(node) if isinstance(a, (int, float, bool)) and not isinstance(a, fx.Node))
+        facts.append(OpFacts(node.name, kind, tensor_inputs, constants if kind != "view" else 0,
+                             node in outputs, _packet_name(node) in HEAVY_OPS, realizes))
+    return tuple(facts)
+
+
+def _flat_args(node: fx.Node) -> list:
+    flat: list = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, (tuple, list)):
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
