@@ -97,6 +97,8 @@ class StepLedger:
     def __init__(self) -> None:
         self._slots: list[Footprint | None] = []
         self._planned_outside: list[int] = []  # per position: the outside bytes its plan assumed
+        self._regions: list[object] = []  # per position: which compiled region ran there
+        self._completed: tuple[tuple[object, Footprint], ...] | None = None
         self._position = 0
         self._backward_seen = False
         self._lock = threading.Lock()
@@ -107,6 +109,12 @@ class StepLedger:
         backward ran since the previous call."""
         with self._lock:
             if self._backward_seen:
+                steps = self._slots[:self._position]
+                self._completed = tuple(zip(self._regions[:self._position], steps)) \
+                    if all(f is not None for f in steps) else None
+                # Positions the finished step did not reach belong to an older step shape.
+                del self._slots[self._position:], self._planned_outside[self._position:]
+                del self._regions[self._position:]
                 self._position = 0
                 self._backward_seen = False
             position = self._position
@@ -128,17 +136,30 @@ class StepLedger:
         with self._lock:
             self._backward_seen = True
 
-    def record(self, position: int, footprint: Footprint, planned_outside: int) -> bool:
-        """Store the footprint at `position` and the outside bytes its plan assumed; True when
-        it changed (others may need a re-plan)."""
+    def record(self, position: int, footprint: Footprint, planned_outside: int, region: object = None) -> bool:
+        """Store the footprint at `position`, the outside bytes its plan assumed and the region
+        that ran there; True when the footprint changed."""
         with self._lock:
             while len(self._slots) <= position:
                 self._slots.append(None)
                 self._planned_outside.append(0)
+                self._regions.append(None)
             changed = self._slots[position] != footprint
             self._slots[position] = footprint
             self._planned_outside[position] = planned_outside
+            self._regions[position] = region
             return changed
+
+    def completed_step(self) -> tuple[tuple[object, Footprint], ...] | None:
+        """(region, footprint) per position of the last step that ended with a backward, once
+        the next step has begun (None before; or if a position of it recorded nothing)."""
+        with self._lock:
+            return self._completed
+
+    def step_starts_next(self) -> bool:
+        """True when the next call begins a step after a backward (the previous step is complete)."""
+        with self._lock:
+            return self._backward_seen
 
     def earlier_plans_stale(self, position: int) -> bool:
         """True if a region before `position` ran with a plan made for other outside bytes than
