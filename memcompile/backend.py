@@ -295,6 +295,10 @@ class _Region:
         latest = self._current[0] if self._current else next(reversed(self.variants.values()))
         if not torch.is_grad_enabled() or latest.plan is None:
             return latest.fn(*args)  # inference graphs are not planned: nothing to re-plan
+        if any(tp.is_fake_tensor(a) for a in args):
+            # DDPOptimizer runs each compiled piece on fake tensors while it compiles the next
+            # one (for its inputs' strides): not a call of the step.
+            return latest.fn(*args)
         backend, ledger = self.backend, self.backend.ledger
         backend.compiled_ahead = 0
         planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
