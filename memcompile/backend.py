@@ -319,6 +319,8 @@ class _Region:
         footprint = variant.footprint(held_by_caller)
         if footprint is not None and ledger.record(position, footprint, outside, self):
             backend.warn_if_step_over_budget()
+        if footprint is not None and variant.inputs is not None and len(args) == len(variant.inputs.nbytes):
+            ledger.watch_leaves(position, _freed_leaves(args, held_by_caller, variant.inputs))
         out = variant.fn(*args)
         _on_backward(out, ledger.backward_ran)
         return out
@@ -326,6 +328,20 @@ class _Region:
 
 # Options between a region's keep-all and least-peak plans offered to the step plan.
 _OPTIONS_BETWEEN = 3
+
+
+def _freed_leaves(args: Sequence[Any], held_by_caller: Sequence[bool], inputs: InputBytes) -> Callable[[], tuple[int, int]]:
+    """A check, for later, of which of this call's leaf inputs have had their storage freed
+    (resized to 0, as FSDP2 frees gathered parameters): (their bytes, of those with gradients)."""
+    leaves = [(a.untyped_storage(), nbytes, has_grad)
+              for a, held, nbytes, has_grad in zip(args, held_by_caller, inputs.nbytes, inputs.has_grad)
+              if held and isinstance(a, torch.Tensor) and nbytes]
+
+    def freed() -> tuple[int, int]:
+        gone = [(nbytes, has_grad) for storage, nbytes, has_grad in leaves if storage.nbytes() == 0]
+        return sum(b for b, _ in gone), sum(b for b, g in gone if g)
+
+    return freed
 
 
 def _on_backward(outputs: Any, callback: Callable[[], None]) -> None:

@@ -22,9 +22,10 @@ are counted twice: safe, pessimistic.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch.fx as fx
 
@@ -99,6 +100,8 @@ class StepLedger:
         self._planned_outside: list[int] = []  # per position: the outside bytes its plan assumed
         self._regions: list[object] = []  # per position: which compiled region ran there
         self._completed: tuple[tuple[object, Footprint], ...] | None = None
+        # (position, () -> (leaf bytes freed since, of which with gradients)): see watch_leaves
+        self._watched: list[tuple[int, Callable[[], tuple[int, int]]]] = []
         self._position = 0
         self._backward_seen = False
         self._lock = threading.Lock()
@@ -108,6 +111,7 @@ class StepLedger:
         """The position of a region call that saves activations; starts a new step if a
         backward ran since the previous call."""
         with self._lock:
+            self._count_freed_leaves()
             if self._backward_seen:
                 steps = self._slots[:self._position]
                 self._completed = tuple(zip(self._regions[:self._position], steps)) \
@@ -149,6 +153,25 @@ class StepLedger:
             self._planned_outside[position] = planned_outside
             self._regions[position] = region
             return changed
+
+    def watch_leaves(self, position: int, freed: Callable[[], tuple[int, int]]) -> None:
+        """Leaf inputs of the call at `position` that an engine frees once the call is over
+        (FSDP2 gathers a block's parameters for its forward and backward only, and frees its
+        full gradients after the reduce-scatter) are not held by the rest of the step. At the
+        next call, `freed()` says how many of its leaf bytes were freed by then (storage
+        resized to 0), and of those how many have gradients; the footprint drops them."""
+        with self._lock:
+            self._watched.append((position, freed))
+
+    def _count_freed_leaves(self) -> None:
+        for position, freed in self._watched:
+            params, grads = freed()
+            footprint = self._slots[position] if position < len(self._slots) else None
+            if params and footprint is not None:
+                self._slots[position] = dataclasses.replace(
+                    footprint, params_bytes=max(0, footprint.params_bytes - params),
+                    grads_bytes=max(0, footprint.grads_bytes - grads))
+        self._watched.clear()
 
     def completed_step(self) -> tuple[tuple[object, Footprint], ...] | None:
         """(region, footprint) per position of the last step that ended with a backward, once

@@ -19,15 +19,10 @@ import torch
 import torch.distributed as dist
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
-ENGINES = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2_compiled_root")
-# FSDP2 with each block sharded on its own: the step ledger counts a region's leaf inputs as live
-# all step and its gradients from its backward to the step's end; FSDP2 frees each block's
-# gathered parameters after its forward (and backward) and its full gradients after the
-# reduce-scatter, so the ledger over-counts several blocks' parameters and gradients and finds no
-# plan below the uncompiled peak (min_feasible 1.4x the budget at 0.9). Left out of the launch until
-# footprints know which leaf inputs an engine frees between regions;
-# `python examples/distributed.py --engine fsdp2` reproduces it.
-FSDP2_PER_BLOCK = "ledger counts FSDP2's per-block gathered parameters and gradients as held all step"
+ENGINES = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2_compiled_root", "fsdp2")
+# Budgets below the uncompiled rank's peak; per-block FSDP2 ("fsdp2") runs above it (no plan
+# fits below on this model: see FRACTION in examples/distributed.py).
+BELOW_EAGER = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2_compiled_root")
 RANKS = (0, 1)
 TIMEOUT_S = 600
 
@@ -95,7 +90,8 @@ def test_every_plan_fits_the_step_budget(results, engine, rank):
     assert r["plans"], "nothing was compiled with memcompile"
     assert all(p["budget_bytes"] == r["budget_bytes"] for p in r["plans"])
     assert all(p["predicted_peak_bytes"] <= r["budget_bytes"] - r["reserve_bytes"] for p in r["plans"])
-    assert r["eager_device_peak_bytes"] > r["budget_bytes"]  # uncompiled, the rank would not fit
+    if engine in BELOW_EAGER:
+        assert r["eager_device_peak_bytes"] > r["budget_bytes"]  # uncompiled, the rank would not fit
 
 
 @pytest.mark.parametrize("rank", RANKS)
@@ -119,8 +115,12 @@ def test_one_graph_per_rank_stays_within_the_per_rank_budget(results, engine, ra
     assert r["device_peak_bytes"] <= r["budget_bytes"]
 
 
-@pytest.mark.xfail(run=False, reason=FSDP2_PER_BLOCK)
 @pytest.mark.parametrize("rank", RANKS)
 def test_fsdp2_per_block_stays_within_the_per_rank_budget(results, rank):
+    """Blocks sharded and compiled one by one: FSDP2 frees each block's gathered parameters and
+    full gradients once the block is done, and the step ledger drops them from what the block
+    holds for the rest of the step (else it counts every block's as held all step: no plan fit
+    at 1.15x the uncompiled peak)."""
     r = _record(results, "fsdp2", rank)
     assert r["device_peak_bytes"] <= r["budget_bytes"]
+    assert len(r["plans"]) >= 2  # block 0 (input without grad) and blocks 1-3 are two graphs

@@ -287,6 +287,27 @@ def test_an_early_region_recomputes_so_that_the_last_one_fits():
     assert kept_first < first[0][0].saved_bytes  # region 0 recomputes part of what greedy kept
 
 
+def test_leaf_inputs_an_engine_frees_after_their_call_are_not_held_by_the_step():
+    """FSDP2 frees a block's gathered parameters (storage resized to 0) when the block is done:
+    at the next call the ledger drops them, and their gradients, from that position."""
+    from memcompile.ledger import Footprint, StepLedger
+
+    ledger = StepLedger()
+    block = Footprint(own_peak_bytes=100, params_bytes=40, inputs_bytes=0, saved_bytes=10, grads_bytes=30)
+    freed = {"now": (0, 0)}
+    for position in range(2):
+        assert ledger.begin_call() == position
+        ledger.record(position, block, planned_outside=0)
+        ledger.watch_leaves(position, lambda: freed["now"])
+        freed["now"] = (0, 0) if position == 0 else (25, 20)
+    # position 0's leaves were still there at call 1; position 1's were freed before the next call
+    ledger.backward_ran()
+    assert ledger.begin_call() == 0
+    (_, first), (_, second) = ledger.completed_step()
+    assert first == block
+    assert (second.params_bytes, second.grads_bytes) == (15, 10)
+
+
 @pytest.mark.inductor
 def test_inductor_regions_replan_inside_calls():
     """Re-plans for the step plan (here: the second region, which ran its least-peak plan in the
