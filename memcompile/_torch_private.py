@@ -8,6 +8,7 @@ else in the package.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import Any, Callable, Sequence
 
@@ -173,6 +174,12 @@ def reentered_tracing_context(context: Any):
     if context is None:
         yield
         return
+    if getattr(context, "ddp_optimizer_ctx", None) is not None:
+        # DDPOptimizer counts one forward compile per piece and pairs each lazily compiled
+        # backward with the next piece's metadata; a re-plan is none of its pieces, so it gets a
+        # copy without that count (its lazy backward then reads its own fw_metadata).
+        context = copy.copy(context)
+        context.ddp_optimizer_ctx = None
     with torch._guards.tracing(context):
         yield
 

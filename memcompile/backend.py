@@ -18,11 +18,13 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
-from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes
+from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
+from memcompile.joint_plan import step_peaks as joint_step_peaks
+from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes, saved_bytes_of
 from memcompile.options import Options
 from memcompile.plan import Plan, format_bytes
 from memcompile.plan_cache import source_hash
-from memcompile.planner import plan_joint_graph
+from memcompile.planner import PlanRequest, Replanner, plan_joint_graph
 from memcompile.sizes import planning_sizes, planning_sizes_now
 
 log = logging.getLogger("memcompile")
@@ -40,6 +42,7 @@ class _CompileRecord:
 
     plan: Plan | None = None
     inputs: InputBytes | None = None
+    request: PlanRequest | None = None  # what the region asks of the planner (and gets back)
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -65,6 +68,7 @@ class Partitioner(tp.PartitionerBase):
             static_lifetime_input_indices=static,
             options=self.options,
             graph_id=graph_id,
+            request=record.request if record is not None else None,
         )
         sizes = planning_sizes_now()
         if sizes:
@@ -95,6 +99,7 @@ class _Variant:
     fn: Callable
     plan: Plan | None
     inputs: InputBytes | None
+    decisions: tuple | None = None  # (keep, recompute, stored) of its plan, when planned by memcompile
 
     def footprint(self, held_by_caller: tuple[bool, ...]) -> Footprint | None:
         if self.plan is None or self.inputs is None:
@@ -127,11 +132,16 @@ def _trace_sizes(fake_inputs: Sequence[object]) -> dict[object, int]:
 class _Region:
     """What Backend.__call__ returns for a graph: its compiled variants, chosen at every call.
 
-    At each call (grad enabled) it asks the step ledger what other regions hold at this call's
-    position, reads the actual symbolic sizes from the arguments, and runs the variant planned
-    for exactly that outside-held amount and for sizes >= the actual ones (the largest seen so
-    far); when there is none it compiles one (same graph, re-planned). A plan made for sizes S
-    covers every size <= S: bytes only grow with sizes (see docs/design.md).
+    A step may call several regions (graph breaks, per-block compilation, DDPOptimizer pieces),
+    and one region at several positions (identical blocks share a graph). Every call asks the
+    step ledger for its position and records what it holds there. The first step runs what was
+    compiled when each region was first called: planned with what earlier positions hold, and,
+    for any region that is not the step's first, its least-peak plan, so that regions not yet
+    seen find room. Once a step has ended (its backward ran), the backend chooses one plan per
+    region for the whole step (Backend.settle, memcompile/joint_plan.py) and each region
+    compiles that plan at its next call: at most once per step shape. Sizes beyond the largest
+    planned for (dynamic shapes) are re-planned before they run: a plan made for sizes S covers
+    every size <= S, bytes only grow with sizes (see docs/design.md).
     """
 
     _MAX_VARIANTS = 16
@@ -147,67 +157,105 @@ class _Region:
         self.tracing_context = tp.current_tracing_context()
         self.sites = _symbol_sites(self.fake_inputs or ())
         self.sizes = _trace_sizes(self.fake_inputs or ())
-        self.variants: dict[tuple[int, tuple], _Variant] = {}
+        self.variants: dict[tuple, _Variant] = {}
+        self.replanner: Replanner | None = None  # of the latest compile: plans it at other budgets
+        self._options: tuple[Replanner, tuple[tuple[PlanOption, Any], ...]] | None = None
+        self.assigned: tuple[Any, int] | None = None  # the step plan's (decisions, outside) for this region
+        self._current: tuple[_Variant, int] | None = None  # what it ran last, and the outside planned for
         self._example_inputs = list(example_inputs)  # only until the first compile
-        self._first: tuple[int, _Variant] | None = None
+        self._first: _Variant | None = None
 
-    def _key(self, outside: int) -> tuple[int, tuple]:
-        return outside, tuple(sorted((str(k), v) for k, v in self.sizes.items()))
+    def _sizes_key(self) -> tuple:
+        return tuple(sorted((str(k), v) for k, v in self.sizes.items()))
 
     def compile_first(self) -> None:
-        position = self.backend.ledger.next_position()
-        outside = self.backend.ledger.outside_bytes(position)
+        backend = self.backend
+        position = backend.ledger.next_position()
+        outside = backend.ledger.outside_bytes(position)
         example_inputs, self._example_inputs = self._example_inputs, []
-        # The call that follows at once runs what was compiled here (also a transient plan).
-        self._first = (position, self._plan_for_position(
-            position, outside, lambda o: self._compile(o, self.gm, example_inputs)))
+        # Before any step has ended, a region after the first (or compiled ahead of its call
+        # behind another one, as DDPOptimizer compiles all its pieces at once) cannot know what
+        # later regions need: it holds as little as it can for the first step.
+        cautious = backend.in_first_step() and (position > 0 or backend.compiled_ahead > 0)
+        backend.compiled_ahead += 1
+        kind = "least" if cautious else "outside"
 
-    def _compile(self, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> _Variant:
+        def compile_for(o: int) -> _Variant:
+            return self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
+                                 PlanRequest(least_peak=cautious))
+
+        self._first = self._plan_for_position(position, outside, compile_for)
+        self._current = (self._first, outside)
+
+    def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 request: PlanRequest) -> _Variant:
         options = self.backend.options
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it.
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
-        record = _CompileRecord()
+        record = _CompileRecord(request=request)
         token = _RECORD.set(record)
         try:
             with planning_sizes(self.sizes):
                 fn = self.backend.compile_graph(gm, example_inputs, options)
         finally:
             _RECORD.reset(token)
-        variant = _Variant(fn, record.plan, record.inputs)
+        variant = _Variant(fn, record.plan, record.inputs,
+                           request.solution.decisions if request.solution is not None else None)
+        if request.replanner is not None:
+            self.replanner = request.replanner
         if len(self.variants) >= self._MAX_VARIANTS:
             self.variants.pop(next(iter(self.variants)))
-        self.variants[self._key(outside)] = variant
+        self.variants[key] = variant
+        self.backend.compiles += 1
         return variant
 
-    def _recompile(self, outside: int) -> _Variant:
+    def _recompile(self, key: tuple, outside: int, request: PlanRequest) -> _Variant:
         if self.fake_inputs is None:
             raise RuntimeError("memcompile: cannot re-plan a graph without fake example inputs")
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
         with tp.reentered_tracing_context(self.tracing_context):
-            return self._compile(outside, gm, self.fake_inputs)
+            return self._compile(key, outside, gm, self.fake_inputs, request)
 
     def _plan_for_position(self, position: int, outside: int, compile_for: Callable[[int], _Variant]) -> _Variant:
         try:
             return compile_for(outside)
         except InfeasibleBudgetError as error:
-            if not self.backend.ledger.earlier_plans_stale(position):
+            backend = self.backend
+            if outside <= 0 or not (backend.in_first_step() or backend.ledger.earlier_plans_stale(position)):
                 raise
-            # Earlier regions of this step still run plans made before the later regions were
-            # known; they are re-planned on their next call. Rather than stop a budget that may
-            # well fit once they are, run this step with the least this region can hold.
+            # Earlier regions of this step run plans made before the later regions were known;
+            # the plan for the whole step replaces them once it has ended (and raises if none
+            # fits). Rather than stop a budget that may well fit then, run this step with the
+            # least this region can hold.
             shortfall = error.min_feasible_bytes - self.backend.options.budget_bytes
             log.warning("memcompile: this step may run %s over the budget while its regions are first "
-                        "compiled (earlier regions were planned before later ones existed); they are "
-                        "re-planned on their next call", format_bytes(shortfall))
+                        "compiled (earlier regions were planned before later ones existed); the step is "
+                        "planned as a whole once it has ended", format_bytes(shortfall))
             return compile_for(max(0, outside - shortfall))
 
     def _replan(self, position: int, outside: int) -> _Variant:
         try:
-            return self._plan_for_position(position, outside, self._recompile)
+            return self._plan_for_position(position, outside, lambda o: self._recompile(
+                ("outside", o, self._sizes_key()), o, PlanRequest()))
         except InfeasibleBudgetError as error:
             self.backend.errors.append(error)
             raise
+
+    def plan_options(self) -> tuple[tuple[PlanOption, Any], ...]:
+        """(option, decisions) this region offers the step plan: from its latest compile's
+        Replanner (a few solves, once per compile); just what it runs if it has none."""
+        if self.replanner is None:
+            variant = self._current[0] if self._current else None
+            plan = variant.plan if variant is not None else None
+            if plan is None:
+                return ((PlanOption(0, 0, 0.0), None),)
+            return ((PlanOption(plan.predicted_peak_bytes, saved_bytes_of(plan), plan.added_time_s), None),)
+        if self._options is None or self._options[0] is not self.replanner:
+            rows = self.replanner.options_between(_OPTIONS_BETWEEN, self.backend.options.time_limit_s)
+            self._options = (self.replanner, tuple(
+                (PlanOption(peak, held, added), decisions) for peak, held, added, decisions in rows))
+        return self._options[1]
 
     def _grown_sizes(self, args: Sequence[Any]) -> dict[object, int]:
         """The sizes to plan for: the largest seen, including this call's."""
@@ -220,34 +268,80 @@ class _Region:
                 sizes[symbol] = value
         return sizes
 
+    def _variant_for(self, position: int, sizes_grew: bool) -> tuple[_Variant, int]:
+        first, self._first = self._first, None
+        if not sizes_grew:
+            if first is not None:
+                return first, self._current[1]  # the call right after the first compile runs it
+            if self.assigned is not None:
+                decisions, outside = self.assigned
+                if self._current is not None and self._current[0].decisions == decisions.decisions:
+                    return self._current[0], outside  # it already runs the step plan's choice
+                key = ("option", decisions.decisions, self._sizes_key())
+                variant = self.variants.get(key)
+                if variant is None:
+                    fingerprint = self.replanner.fingerprint if self.replanner is not None else None
+                    variant = self._recompile(key, outside, PlanRequest(decisions=decisions, fingerprint=fingerprint))
+                return variant, outside
+            if self._current is not None:
+                return self._current  # no step plan yet (or a one-region step): keep what runs
+        outside = self.backend.ledger.outside_bytes(position)
+        key = ("outside", outside, self._sizes_key())
+        variant = self.variants.get(key) or self._replan(position, outside)
+        self.assigned = None  # made for other sizes; the next step's plan re-plans with these
+        return variant, outside
+
     def __call__(self, *args: Any) -> Any:
-        latest = next(reversed(self.variants.values()))
+        latest = self._current[0] if self._current else next(reversed(self.variants.values()))
         if not torch.is_grad_enabled() or latest.plan is None:
             return latest.fn(*args)  # inference graphs are not planned: nothing to re-plan
-        ledger = self.backend.ledger
+        if any(tp.is_fake_tensor(a) for a in args):
+            # DDPOptimizer runs each compiled piece on fake tensors while it compiles the next
+            # one (for its inputs' strides): not a call of the step.
+            return latest.fn(*args)
+        backend, ledger = self.backend, self.backend.ledger
+        backend.compiled_ahead = 0
         planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
         position = ledger.begin_call()
-        outside = ledger.outside_bytes(position)
-        first, self._first = self._first, None
-        if first is not None and first[0] == position and planned_sizes == self.sizes:
-            variant = first[1]
-        else:
-            try:
-                variant = self.variants.get(self._key(outside)) or self._replan(position, outside)
-            except InfeasibleBudgetError:
-                self.sizes = planned_sizes  # smaller sizes keep running under their plan
-                ledger.cancel_call(position)
-                raise
+        try:
+            if position == 0:
+                backend.settle()
+            variant, outside = self._variant_for(position, planned_sizes != self.sizes)
+        except InfeasibleBudgetError:
+            self.sizes = planned_sizes  # smaller sizes keep running under their plan
+            ledger.cancel_call(position)
+            raise
+        self._current = (variant, outside)
         # Leaf inputs (parameters, the user's tensors) are held by the caller all step; the
         # others are activations of an earlier region. The same graph can be called with both
         # (one compiled block per position), so this is read at every call.
         held_by_caller = tuple(not isinstance(a, torch.Tensor) or a.grad_fn is None for a in args)
         footprint = variant.footprint(held_by_caller)
-        if footprint is not None and ledger.record(position, footprint, outside):
-            self.backend.warn_if_step_over_budget()
+        if footprint is not None and ledger.record(position, footprint, outside, self):
+            backend.warn_if_step_over_budget()
+        if footprint is not None and variant.inputs is not None and len(args) == len(variant.inputs.nbytes):
+            ledger.watch_leaves(position, _freed_leaves(args, held_by_caller, variant.inputs))
         out = variant.fn(*args)
         _on_backward(out, ledger.backward_ran)
         return out
+
+
+# Options between a region's keep-all and least-peak plans offered to the step plan.
+_OPTIONS_BETWEEN = 3
+
+
+def _freed_leaves(args: Sequence[Any], held_by_caller: Sequence[bool], inputs: InputBytes) -> Callable[[], tuple[int, int]]:
+    """A check, for later, of which of this call's leaf inputs have had their storage freed
+    (resized to 0, as FSDP2 frees gathered parameters): (their bytes, of those with gradients)."""
+    leaves = [(a.untyped_storage(), nbytes, has_grad)
+              for a, held, nbytes, has_grad in zip(args, held_by_caller, inputs.nbytes, inputs.has_grad)
+              if held and isinstance(a, torch.Tensor) and nbytes]
+
+    def freed() -> tuple[int, int]:
+        gone = [(nbytes, has_grad) for storage, nbytes, has_grad in leaves if storage.nbytes() == 0]
+        return sum(b for b, _ in gone), sum(b for b, g in gone if g)
+
+    return freed
 
 
 def _on_backward(outputs: Any, callback: Callable[[], None]) -> None:
@@ -272,6 +366,11 @@ class Backend:
         self.plans: list[Plan] = []
         self.errors: list[Exception] = []
         self.ledger = StepLedger()
+        self.compiles = 0  # graphs compiled (first compiles and re-plans)
+        self.step_plans = 0  # times a plan for the whole step was chosen (settle)
+        self.compiled_ahead = 0  # regions compiled since the last call (DDPOptimizer compiles all at once)
+        self._settled: tuple | None = None  # the step shape the current step plan was chosen for
+        self._steps_ended = False
         self._graph_count = itertools.count()
         self._warned_over = 0
         with _lock:
@@ -285,6 +384,62 @@ class Backend:
         """Predicted peak of a whole step: each region's own peak plus what the others hold then."""
         return self.ledger.predicted_step_peak()
 
+    def in_first_step(self) -> bool:
+        """No step has ended yet: regions called later in the step are still unknown."""
+        return not self._steps_ended and self.ledger.completed_step() is None
+
+    def settle(self) -> None:
+        """At the start of a step: if the previous step's shape (which region ran at each position,
+        and what each call held regardless of plan) differs from the one the current step plan
+        was chosen for, choose one plan per region for the whole step (memcompile/joint_plan.py)
+        and assign it; regions compile it at their next call. The shape does not depend on the
+        plans, so this settles after one choice: at most one re-plan per region per step shape.
+        Raises InfeasibleBudgetError if no combination fits."""
+        completed = self.ledger.completed_step()
+        if completed is None:
+            return
+        self._steps_ended = True
+        shape = tuple((region, f.params_bytes, f.inputs_bytes, f.grads_bytes) for region, f in completed)
+        if shape == self._settled:
+            return
+        regions = list(dict.fromkeys(region for region, _ in completed))
+        if len(completed) < 2:
+            for region in regions:
+                region.assigned = None  # one call per step: its own plan is the step's
+            self._settled = shape
+            return
+        menus = [region.plan_options() for region in regions]
+        options = [[option for option, _ in menu] for menu in menus]
+        positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes)
+                     for region, f in completed]
+        budget = self.options.step_budget_bytes
+        choice = choose_joint(positions, options, budget)
+        if choice is None:
+            least = least_step_peak(positions, options)
+            need = least.step_peak_bytes + self.options.reserve_bytes
+            error = InfeasibleBudgetError(
+                f"memcompile: no plan of this step's {len(positions)} region calls ({len(regions)} compiled "
+                f"region(s)) fits the budget of {format_bytes(self.options.budget_bytes)} "
+                f"({self.options.budget_bytes} bytes"
+                + (f", reserve {self.options.reserve_bytes}" if self.options.reserve_bytes else "")
+                + f"). The smallest budget that works is {format_bytes(need)} (min_feasible_bytes={need}), "
+                "with every region at its least peak where that helps. Raise the budget, or reduce batch "
+                "size / model size.", budget_bytes=self.options.budget_bytes, min_feasible_bytes=need)
+            self.errors.append(error)
+            log.error("%s", error)
+            raise error
+        peaks = joint_step_peaks(positions, options, choice.option_of)
+        for r, region in enumerate(regions):
+            own = options[r][choice.option_of[r]].own_peak_bytes
+            outside = max(peak - own for peak, q in zip(peaks, positions) if q.region == r)
+            decisions = menus[r][choice.option_of[r]][1]
+            region.assigned = None if decisions is None else (decisions, outside)
+        self._settled = shape
+        self.step_plans += 1
+        log.info("memcompile: one plan per region for the step: predicted step peak %s of %s, added time "
+                 "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
+                 choice.added_time_s * 1e3, choice.status)
+
     def warn_if_step_over_budget(self) -> None:
         """Regions compiled during a step can make an earlier region's running plan too large for
         the rest of this step; the next step re-plans it. Say so rather than be silent."""
@@ -292,7 +447,7 @@ class Backend:
         if peak > self.options.step_budget_bytes and peak > self._warned_over:
             self._warned_over = peak
             log.warning("memcompile: while new regions are compiled, this step may peak at %s, over the budget of "
-                        "%s; the regions are re-planned on their next call", format_bytes(peak),
+                        "%s; the step is planned as a whole once it has ended", format_bytes(peak),
                         format_bytes(self.options.step_budget_bytes))
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> Callable:

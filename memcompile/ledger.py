@@ -22,9 +22,10 @@ are counted twice: safe, pessimistic.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch.fx as fx
 
@@ -97,6 +98,10 @@ class StepLedger:
     def __init__(self) -> None:
         self._slots: list[Footprint | None] = []
         self._planned_outside: list[int] = []  # per position: the outside bytes its plan assumed
+        self._regions: list[object] = []  # per position: which compiled region ran there
+        self._completed: tuple[tuple[object, Footprint], ...] | None = None
+        # (position, () -> (leaf bytes freed since, of which with gradients)): see watch_leaves
+        self._watched: list[tuple[int, Callable[[], tuple[int, int]]]] = []
         self._position = 0
         self._backward_seen = False
         self._lock = threading.Lock()
@@ -106,7 +111,14 @@ class StepLedger:
         """The position of a region call that saves activations; starts a new step if a
         backward ran since the previous call."""
         with self._lock:
+            self._count_freed_leaves()
             if self._backward_seen:
+                steps = self._slots[:self._position]
+                self._completed = tuple(zip(self._regions[:self._position], steps)) \
+                    if all(f is not None for f in steps) else None
+                # Positions the finished step did not reach belong to an older step shape.
+                del self._slots[self._position:], self._planned_outside[self._position:]
+                del self._regions[self._position:]
                 self._position = 0
                 self._backward_seen = False
             position = self._position
@@ -128,17 +140,49 @@ class StepLedger:
         with self._lock:
             self._backward_seen = True
 
-    def record(self, position: int, footprint: Footprint, planned_outside: int) -> bool:
-        """Store the footprint at `position` and the outside bytes its plan assumed; True when
-        it changed (others may need a re-plan)."""
+    def record(self, position: int, footprint: Footprint, planned_outside: int, region: object = None) -> bool:
+        """Store the footprint at `position`, the outside bytes its plan assumed and the region
+        that ran there; True when the footprint changed."""
         with self._lock:
             while len(self._slots) <= position:
                 self._slots.append(None)
                 self._planned_outside.append(0)
+                self._regions.append(None)
             changed = self._slots[position] != footprint
             self._slots[position] = footprint
             self._planned_outside[position] = planned_outside
+            self._regions[position] = region
             return changed
+
+    def watch_leaves(self, position: int, freed: Callable[[], tuple[int, int]]) -> None:
+        """Leaf inputs of the call at `position` that an engine frees once the call is over
+        (FSDP2 gathers a block's parameters for its forward and backward only, and frees its
+        full gradients after the reduce-scatter) are not held by the rest of the step. At the
+        next call, `freed()` says how many of its leaf bytes were freed by then (storage
+        resized to 0), and of those how many have gradients; the footprint drops them."""
+        with self._lock:
+            self._watched.append((position, freed))
+
+    def _count_freed_leaves(self) -> None:
+        for position, freed in self._watched:
+            params, grads = freed()
+            footprint = self._slots[position] if position < len(self._slots) else None
+            if params and footprint is not None:
+                self._slots[position] = dataclasses.replace(
+                    footprint, params_bytes=max(0, footprint.params_bytes - params),
+                    grads_bytes=max(0, footprint.grads_bytes - grads))
+        self._watched.clear()
+
+    def completed_step(self) -> tuple[tuple[object, Footprint], ...] | None:
+        """(region, footprint) per position of the last step that ended with a backward, once
+        the next step has begun (None before; or if a position of it recorded nothing)."""
+        with self._lock:
+            return self._completed
+
+    def step_starts_next(self) -> bool:
+        """True when the next call begins a step after a backward (the previous step is complete)."""
+        with self._lock:
+            return self._backward_seen
 
     def earlier_plans_stale(self, position: int) -> bool:
         """True if a region before `position` ran with a plan made for other outside bytes than

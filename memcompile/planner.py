@@ -156,6 +156,7 @@ def _plan_joint_graph(
     static_lifetime_input_indices: list[int] | None,
     options: Options,
     graph_id: str,
+    request: "PlanRequest | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     joint = tp.prepare_joint_graph(joint)
     device = options.device or _device_of(joint_inputs)
@@ -174,24 +175,19 @@ def _plan_joint_graph(
         fuse=fuse,
     )
     before = baseline.timeline
+    replanner = Replanner(joint, analysis, num_fwd_outputs, options, offload_on_host, baseline)
     chosen = baseline if before.peak_bytes <= budget else None
     solve_s = 0.0
-    target = budget
-    for _ in range(_MAX_TIGHTENINGS if chosen is None else 0):
-        # All solves of one graph share the time limit (each gets at least a second).
-        remaining = max(1.0, options.time_limit_s - solve_s)
-        solution = _solve_or_greedy(problem, target, remaining, options)
-        solve_s += solution.solve_s
-        if solution.status == "infeasible":
-            break
-        attempt = _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, offload_on_host, fuse)
-        log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
-                  attempt.timeline.peak_bytes, solution.status)
-        if attempt.timeline.peak_bytes <= budget:
-            chosen = attempt
-            break
-        # The model under-estimated the real graphs: ask it for that much less.
-        target -= attempt.timeline.peak_bytes - budget
+    if request is not None:
+        request.replanner = replanner
+        if request.least_peak:
+            chosen = None  # asked for the least peak even where more would fit
+        elif request.decisions is not None and request.fingerprint == replanner.fingerprint:
+            forced = _rewrite_and_check(joint, analysis, request.decisions, num_fwd_outputs, offload_on_host, fuse)
+            if forced.timeline.peak_bytes <= budget:
+                chosen = forced
+    if chosen is None and not (request is not None and request.least_peak):
+        chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
@@ -202,6 +198,8 @@ def _plan_joint_graph(
 
     after = chosen.timeline
     sol = chosen.solution
+    if request is not None:
+        request.solution = sol
     plan = Plan(
         graph_id=graph_id,
         budget_bytes=options.budget_bytes,
@@ -221,6 +219,96 @@ def _plan_joint_graph(
     )
     log.info("%s", plan.summary())
     return chosen.forward, chosen.backward, plan
+
+
+@dataclass
+class PlanRequest:
+    """What the backend asks of one planning beyond the budget, and what it gets back."""
+
+    least_peak: bool = False  # plan the least peak even where more would fit (a cautious first step)
+    decisions: ActivationSolution | None = None  # run these decisions (an option chosen for the whole step)
+    fingerprint: tuple | None = None  # of the problem `decisions` index; ignored if this graph differs
+    replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
+    solution: ActivationSolution | None = None  # out: the decisions the plan runs
+
+
+def held_bytes(problem, solution: ActivationSolution) -> int:
+    """Device bytes a solution holds from forward to backward (what the ledger's saved_bytes
+    counts from the plan's decisions: kept tensors, stored forms, nothing for recomputed ones)."""
+    return sum(problem.nbytes[i] for i in solution.keep) + sum(
+        problem.choices_of(i)[k].stored_bytes for i, k in solution.stored)
+
+
+@dataclass
+class Replanner:
+    """A planned joint graph kept for planning it again at other budgets: the fake-tensor graph
+    and its plain problem, so no second trace is needed (the backend's joint step plan asks
+    each region for a few options, memcompile/joint_plan.py)."""
+
+    joint: fx.GraphModule
+    analysis: JointAnalysis
+    num_fwd_outputs: int
+    options: Options
+    offload_on_host: bool
+    keep_all: _Attempt
+
+    @property
+    def fingerprint(self) -> tuple:
+        problem = self.analysis.problem
+        return problem.names, problem.nbytes
+
+    def fit(self, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
+        """The least-time plan whose checked peak is <= budget, or None; and the solve time.
+        When the rewritten graphs peak above what the model said, the target is lowered by the
+        excess and it solves again (at most _MAX_TIGHTENINGS times, sharing the time limit)."""
+        if self.keep_all.timeline.peak_bytes <= budget:
+            return self.keep_all, 0.0
+        problem = self.analysis.problem
+        solve_s = 0.0
+        target = budget
+        for _ in range(_MAX_TIGHTENINGS):
+            # All solves of one graph share the time limit (each gets at least a second).
+            remaining = max(1.0, time_limit_s - solve_s)
+            solution = _solve_or_greedy(problem, target, remaining, self.options)
+            solve_s += solution.solve_s
+            if solution.status == "infeasible":
+                break
+            attempt = _rewrite_and_check(self.joint, self.analysis, solution, self.num_fwd_outputs,
+                                         self.offload_on_host, self.options.codegen == "inductor")
+            log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
+                      attempt.timeline.peak_bytes, solution.status)
+            if attempt.timeline.peak_bytes <= budget:
+                return attempt, solve_s
+            # The model under-estimated the real graphs: ask it for that much less.
+            target -= attempt.timeline.peak_bytes - budget
+        return None, solve_s
+
+    def least_peak(self) -> _Attempt:
+        return _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs, self.options,
+                                   self.offload_on_host)[0]
+
+    def options_between(self, count: int, time_limit_s: float) -> list[tuple[int, int, float, ActivationSolution]]:
+        """(own peak, held bytes, added time, decisions) of the keep-all plan, the least-peak plan
+        and the least-time plans at `count` budgets evenly between their peaks; duplicates and
+        plans another one beats on all three measures dropped; keep-all first, least peak last."""
+        problem = self.analysis.problem
+        least = self.least_peak()
+        high, low = self.keep_all.timeline.peak_bytes, least.timeline.peak_bytes
+        attempts = [self.keep_all]
+        for i in range(count, 0, -1):
+            budget = low + (high - low) * i // (count + 1)
+            attempt, _ = self.fit(budget, time_limit_s)
+            if attempt is not None:
+                attempts.append(attempt)
+        attempts.append(least)
+        rows: list[tuple[int, int, float, ActivationSolution]] = []
+        for a in attempts:
+            row = (a.timeline.peak_bytes, held_bytes(problem, a.solution), a.solution.added_time_s, a.solution)
+            if any(r[3].decisions == row[3].decisions for r in rows):
+                continue
+            rows.append(row)
+        return [r for r in rows if not any(o is not r and o[0] <= r[0] and o[1] <= r[1] and o[2] <= r[2]
+                                           and o[:3] != r[:3] for o in rows)]
 
 
 def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options) -> ActivationSolution:
@@ -307,6 +395,7 @@ def plan_joint_graph(
     static_lifetime_input_indices: list[int] | None,
     options: Options,
     graph_id: str,
+    request: "PlanRequest | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     """`_plan_joint_graph`, with a last resort: if planning itself fails (a bug, an op a pass
     cannot read), PyTorch's own partition runs, with a warning, instead of killing the run.
@@ -314,7 +403,7 @@ def plan_joint_graph(
     try:
         return _plan_joint_graph(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                  static_lifetime_input_indices=static_lifetime_input_indices,
-                                 options=options, graph_id=graph_id)
+                                 options=options, graph_id=graph_id, request=request)
     except InfeasibleBudgetError:
         raise
     except Exception as error:  # noqa: BLE001 - degrade to the stock partition, never abort training

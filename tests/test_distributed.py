@@ -19,13 +19,10 @@ import torch
 import torch.distributed as dist
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
-ENGINES = ("ddp", "fsdp2_whole", "fsdp2_compiled_root")
-# Graphs split into several regions per step (DDPOptimizer buckets, FSDP2 per block) are planned
-# with the step ledger in call order; at budgets below the uncompiled peak the later regions are
-# reported infeasible (ddp_buckets at 0.8, fsdp2 per block at 0.9; and re-planning a DDPOptimizer
-# piece inside a call trips its fw/bw compile count). Left out of the launch until a joint plan
-# across regions exists; `python examples/distributed.py --engine ddp_buckets` reproduces it.
-SPLIT_ENGINES_BROKEN = "regions planned greedily in call order: later ones infeasible (see ENGINES)"
+ENGINES = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2_compiled_root", "fsdp2")
+# Budgets below the uncompiled rank's peak; per-block FSDP2 ("fsdp2") runs above it (no plan
+# fits below on this model: see FRACTION in examples/distributed.py).
+BELOW_EAGER = ("ddp", "ddp_buckets", "fsdp2_whole", "fsdp2_compiled_root")
 RANKS = (0, 1)
 TIMEOUT_S = 600
 
@@ -67,7 +64,7 @@ def test_gradients_equal_the_uncompiled_run(results, engine, rank):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("engine", ["ddp"])
+@pytest.mark.parametrize("engine", ["ddp", "ddp_buckets"])
 def test_ddp_gradients_are_all_reduced(results, engine):
     """Each rank trained on its own batch; after the all-reduce every rank holds the same mean."""
     ranks = [_grads(results, engine, r)["compiled"] for r in RANKS]
@@ -93,13 +90,21 @@ def test_every_plan_fits_the_step_budget(results, engine, rank):
     assert r["plans"], "nothing was compiled with memcompile"
     assert all(p["budget_bytes"] == r["budget_bytes"] for p in r["plans"])
     assert all(p["predicted_peak_bytes"] <= r["budget_bytes"] - r["reserve_bytes"] for p in r["plans"])
-    assert r["eager_device_peak_bytes"] > r["budget_bytes"]  # uncompiled, the rank would not fit
+    if engine in BELOW_EAGER:
+        assert r["eager_device_peak_bytes"] > r["budget_bytes"]  # uncompiled, the rank would not fit
 
 
-@pytest.mark.xfail(run=False, reason=SPLIT_ENGINES_BROKEN)
-def test_ddp_optimizer_splits_at_buckets_and_each_piece_is_planned(results):
-    assert len(_record(results, "ddp_buckets", 0)["plans"]) >= 2
-    assert len(_record(results, "ddp", 0)["plans"]) == 1
+@pytest.mark.parametrize("rank", RANKS)
+def test_ddp_optimizer_splits_at_buckets_and_the_pieces_share_the_per_rank_budget(results, rank):
+    """DDPOptimizer splits the graph at the bucket boundary; the pieces are planned together for
+    the step (each compiled once, then at most once more for the step plan: DDPOptimizer's
+    count of forward and backward compiles survives the re-plan), and the rank stays within
+    its budget."""
+    pieces = _record(results, "ddp_buckets", rank)
+    assert len(_record(results, "ddp", rank)["plans"]) == 1
+    assert 2 <= len(pieces["plans"]) <= 4
+    assert any(p["recomputed"] for p in pieces["plans"])
+    assert pieces["device_peak_bytes"] <= pieces["budget_bytes"] < pieces["eager_device_peak_bytes"]
 
 
 @pytest.mark.parametrize("rank", RANKS)
@@ -110,8 +115,12 @@ def test_one_graph_per_rank_stays_within_the_per_rank_budget(results, engine, ra
     assert r["device_peak_bytes"] <= r["budget_bytes"]
 
 
-@pytest.mark.xfail(run=False, reason=SPLIT_ENGINES_BROKEN)
 @pytest.mark.parametrize("rank", RANKS)
 def test_fsdp2_per_block_stays_within_the_per_rank_budget(results, rank):
+    """Blocks sharded and compiled one by one: FSDP2 frees each block's gathered parameters and
+    full gradients once the block is done, and the step ledger drops them from what the block
+    holds for the rest of the step (else it counts every block's as held all step: no plan fit
+    at 1.15x the uncompiled peak)."""
     r = _record(results, "fsdp2", rank)
     assert r["device_peak_bytes"] <= r["budget_bytes"]
+    assert len(r["plans"]) >= 2  # block 0 (input without grad) and blocks 1-3 are two graphs
