@@ -26,6 +26,8 @@ CP-SAT runs in two phases (`_two_phase_solve`): a short one with objective lower
 (proves the Checkmate graphs fast), then default search warm-started from its best solution.
 Models with more than `_LARGE_MODEL` input-cover literals skip CP-SAT (building and presolving
 alone took ~15 s at 1000 nodes): greedy variants, then a repair search (`_improve_by_repair`).
+When the stage grid yields no schedule (near the least peak, where recomputation chains must be
+freed inside a stage), `remat_events` schedules event by event with eviction instead.
 """
 
 from __future__ import annotations
