@@ -223,6 +223,8 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_ho
         plain = solve_cached(solve_min_peak, dataclasses.replace(problem, store_choices=(), created_at=()),
                              time_limit_s=options.time_limit_s, workers=options.workers, seed=options.seed)
         others.append(plain.decisions)
+        # ... and storing, from that plan, what is kept at its peak lowers it further.
+        others.append(greedy_plan(problem, 0, start_from=plain.decisions, store_only=True))
     for decisions in others:
         if decisions == least.decisions:
             continue

@@ -26,7 +26,7 @@ from memcompile.passes.graph_facts import (
     tensor_nbytes,
 )
 from memcompile.passes.liveness import OP_SCRATCH_BYTES
-from memcompile.passes.stored_forms import StoreOptions, store_choices_for
+from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, store_choices_for
 from memcompile.solver.activations import ActivationProblem
 
 NEVER = -1
@@ -172,7 +172,7 @@ def analyze_joint_graph(
     for n in nodes:
         for i in n.all_input_nodes:
             r = root[i]
-            if n in fw_set:
+            if n in required_fw:  # unclaimed forward-side nodes run in backward, if at all
                 fw_last_read[r] = max(fw_last_read.get(r, NEVER), step[n])
             elif n in bw_set:
                 for key in {r, i}:  # the storage and the node itself (views read directly)
@@ -183,11 +183,17 @@ def analyze_joint_graph(
         fw_last_read[root[o]] = last
 
     fixed = [0] * (num_steps + 1)
+    born_at = [0] * num_steps  # what each step's node allocates (its outputs, its scratch)
+    grad_roots = {root[g] for g in grad_outputs}  # a gradient may be a view (e.g. of an mm's result)
+    # A tuple member is allocated by the op that returns the tuple, not by its getitem.
+    born = {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
 
-    def add(nbytes: int, start: int, end: int) -> None:
+    def add(nbytes: int, start: int, end: int, by_node: bool = False) -> None:
         if nbytes and start <= end:
             fixed[start] += nbytes
             fixed[end + 1] -= nbytes
+            if by_node:
+                born_at[start] += nbytes
 
     static_bytes = sum(tensor_nbytes(p.meta.get("val")) for p in primals if root[p] is p)
     add(static_bytes + OP_SCRATCH_BYTES, 0, last)
@@ -197,7 +203,7 @@ def analyze_joint_graph(
     for n in forward_nodes + backward_nodes:
         unclaimed = n in fw_set and n not in required_fw  # runs in forward only if kept
         if not unclaimed:  # (then its transients are in the liveness check, not here)
-            add(transient_bytes(n), step[n], step[n])
+            add(transient_bytes(n), step[n], step[n], by_node=True)
         if root[n] is not n:
             continue  # aliases own no storage
         if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):
@@ -205,17 +211,17 @@ def analyze_joint_graph(
             read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}
             for k, member in enumerate(n.meta["val"]):
                 if k not in read_members:
-                    add(tensor_nbytes(member), step[n], step[n])
+                    add(tensor_nbytes(member), step[n], step[n], by_node=True)
             continue
         size = tensor_nbytes(n.meta.get("val"))
         if n in bw_set:
-            end = last if n in grad_outputs else max(bw_last_read.get(n, NEVER), step[n])
-            add(size, step[n], end)
+            end = last if n in grad_roots else max(bw_last_read.get(n, NEVER), step[n])
+            add(size, born[n], end, by_node=True)
         elif n not in candidate_set:
             end = fw_last_read.get(n, NEVER)
-            add(size, step[n], max(end, step[n]))
+            add(size, step[n], max(end, step[n]), by_node=True)
 
-    store_choices, created_at, not_stored = [], [], []
+    store_choices, created_at, not_stored, must_be_exact = [], [], [], []
     names, nbytes, costs, can_keep, can_recompute, bans, keep_bans = [], [], [], [], [], [], []
     first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
     cost_of_unit: dict[fx.Node, float | None] = {}
@@ -230,7 +236,7 @@ def analyze_joint_graph(
         in_forward = c in required_fw
         fw_end = max(fw_last_read.get(c, NEVER), step[c]) if in_forward else NEVER
         if in_forward and own_bytes:
-            add(own_bytes, step[c], fw_end)  # forward lifetime: the same whatever we decide
+            add(own_bytes, born[c], fw_end, by_node=True)  # forward lifetime: the same whatever we decide
         unit = compute_unit(c)
         if unit not in cost_of_unit:
             # Unclaimed nodes (forward values only the backward reads) run once either way:
@@ -283,11 +289,13 @@ def analyze_joint_graph(
             choices, why = (), ""
         store_choices.append(choices)
         not_stored.append(why)
+        must_be_exact.append(any(error_sensitivity(c, fmt) for fmt in store.formats))
 
     running, fixed_bytes = 0, []
     for t in range(num_steps):
         running += fixed[t]
         fixed_bytes.append(running)
+    fixed_before = tuple(f - b for f, b in zip(fixed_bytes, born_at))
     problem = ActivationProblem(
         names=tuple(names),
         nbytes=tuple(nbytes),
@@ -301,8 +309,10 @@ def analyze_joint_graph(
         recompute_reads=tuple(reads),
         view_of=tuple(view_of),
         fixed_bytes=tuple(fixed_bytes),
+        fixed_before_node_bytes=fixed_before,
         store_choices=tuple(store_choices) if any(store_choices) else (),
         created_at=tuple(created_at) if any(store_choices) else (),
+        must_be_exact=tuple(must_be_exact) if any(store_choices) and any(must_be_exact) else (),
     )
     return JointAnalysis(
         problem=problem,

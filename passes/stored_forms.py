@@ -89,13 +89,19 @@ def exclusion_reason(node: fx.Node, fmt: str) -> str:
         return "bf16 only shrinks float32 tensors"
     if val.dim() == 0:
         return "scalar"
+    return error_sensitivity(node, fmt)
+
+
+def error_sensitivity(node: fx.Node, fmt: str) -> str:
+    """Why rounding `node`'s value to `fmt` would wreck its backward ('' if it would not). Such a
+    value is neither stored as `fmt` nor recomputed from a value stored as `fmt`."""
     # Decompositions turn softmax into exp/sum/div; the op it came from is kept in the metadata.
     name = f"{node.target} {node.meta.get('original_aten', '')}"
     if fmt in ("int8", "fp8") and "softmax" in name:
         # Probabilities span orders of magnitude within a row: absmax int8/fp8 scaling zeroes
         # the small ones, which attention's backward multiplies by large gradients.
         return "softmax output: small probabilities lose all precision under absmax scaling"
-    if any(op in name for op in ("tanh", "sigmoid")):
+    if fmt != "host" and any(op in name for op in ("tanh", "sigmoid")):
         # Their backward computes 1 - y^2 or y (1 - y): near saturation (y ~ +-1, 0 or 1) any
         # rounding of y is the whole answer, and gradient errors were > 50% in our tests.
         return "tanh/sigmoid output: its derivative cancels catastrophically near saturation"

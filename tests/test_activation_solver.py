@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from memcompile.solver.activations import (
@@ -45,11 +46,13 @@ def problems(draw, max_candidates=6):
         costs.append(draw(st.floats(0.0, 1e-3)))
         view_of.append(-1)
     fixed = tuple(draw(st.integers(0, 500)) for _ in range(steps))
+    # What each step's node allocates itself: recomputations placed before it do not see it.
+    before = tuple(f - draw(st.integers(0, f)) for f in fixed) if draw(st.booleans()) else ()
     return ActivationProblem(
         names=tuple(f"t{i}" for i in range(n)), nbytes=tuple(nbytes), recompute_cost_s=tuple(costs),
         can_keep=tuple(can_keep), can_recompute=tuple(can_recompute), first_read=tuple(first),
         last_read=tuple(last), keep_from=tuple(keep_from), recompute_from=tuple(recompute_from),
-        recompute_reads=tuple(reads), view_of=tuple(view_of), fixed_bytes=fixed,
+        recompute_reads=tuple(reads), view_of=tuple(view_of), fixed_bytes=fixed, fixed_before_node_bytes=before,
     )
 
 
@@ -122,3 +125,22 @@ def test_recompute_placed_just_before_first_reader():
     result = solve_activation_plan(problem, 120, time_limit_s=5)
     assert result.recompute == {0} and result.status == "optimal"
     assert solve_activation_plan(problem, 99, time_limit_s=5).status == "infeasible"
+
+
+def test_recomputations_before_a_node_do_not_see_its_own_output():
+    """A chain a -> b recomputed for the node at step 4, which reads only b and allocates 80
+    bytes itself: a is freed before the node runs, so the step peaks at a + b = 200 (the chain),
+    not a + b + 80. (Keeping is banned so that recomputing is the only plan.)"""
+    problem = ActivationProblem(
+        names=("a", "b"), nbytes=(100, 100), recompute_cost_s=(1e-3, 1e-3), can_keep=(False, False),
+        can_recompute=(True, True), first_read=(6, 4), last_read=(-1, 4), keep_from=(1, 2),
+        recompute_from=(2, 2), recompute_reads=((), (0,)), view_of=(-1, -1),
+        fixed_bytes=(0, 0, 0, 0, 80, 0), fixed_before_node_bytes=(0, 0, 0, 0, 0, 0),
+    )
+    assert evaluate(problem, frozenset(), frozenset({0, 1}))[0] == 200
+    counted_with_the_node = ActivationProblem(**{**problem.__dict__, "fixed_before_node_bytes": ()})
+    assert evaluate(counted_with_the_node, frozenset(), frozenset({0, 1}))[0] == 280
+    result = solve_activation_plan(problem, 210, time_limit_s=5)
+    assert result.recompute == frozenset({0, 1}) and result.model_peak_bytes == 200
+    with pytest.raises(ValueError, match="fixed_before_node_bytes"):
+        ActivationProblem(**{**problem.__dict__, "fixed_before_node_bytes": (0, 0, 0, 0, 90, 0)})

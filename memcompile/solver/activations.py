@@ -72,6 +72,12 @@ class ActivationProblem:
     created_at: tuple[int, ...] = ()  # forward step producing each candidate (needed with store_choices)
     forward_compute_s: float = 0.0  # compute time a forward copy-out can hide behind
     backward_compute_s: float = 0.0  # same for reloads in backward
+    # Fixed bytes at step t before its node allocates its outputs and scratch: what the
+    # recomputations placed just before that node see. Empty: the same as fixed_bytes.
+    fixed_before_node_bytes: tuple[int, ...] = ()
+    # Candidates whose value must not derive from a lossy stored form (stored lossy itself, or
+    # recomputed from such a value): their backward amplifies rounding (tanh, sigmoid, softmax).
+    must_be_exact: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -81,16 +87,30 @@ class ActivationProblem:
                 raise ValueError(f"ActivationProblem.{name} has {len(getattr(self, name))} entries, expected {n}")
         if self.store_choices and (len(self.store_choices) != n or len(self.created_at) != n):
             raise ValueError("ActivationProblem.store_choices and created_at need one entry per candidate")
+        if self.must_be_exact and len(self.must_be_exact) != n:
+            raise ValueError(f"ActivationProblem.must_be_exact has {len(self.must_be_exact)} entries, expected {n}")
+        if self.fixed_before_node_bytes and (
+                len(self.fixed_before_node_bytes) != len(self.fixed_bytes)
+                or any(b > f for b, f in zip(self.fixed_before_node_bytes, self.fixed_bytes))):
+            raise ValueError("ActivationProblem.fixed_before_node_bytes needs one entry per step, "
+                             "each <= fixed_bytes there")
 
     @property
     def num_steps(self) -> int:
         return len(self.fixed_bytes)
+
+    @property
+    def before_node_bytes(self) -> tuple[int, ...]:
+        return self.fixed_before_node_bytes or self.fixed_bytes
 
     def choices_of(self, i: int) -> tuple[StoreChoice, ...]:
         return self.store_choices[i] if self.store_choices else ()
 
     def needed_by_backward(self, i: int) -> bool:
         return self.first_read[i] < self.num_steps
+
+    def exact_required(self, i: int) -> bool:
+        return bool(self.must_be_exact) and self.must_be_exact[i]
 
     def readers(self) -> list[list[int]]:
         """For each candidate, the candidates whose recomputation reads it."""
@@ -104,6 +124,20 @@ class ActivationProblem:
 # Stored decisions: (candidate, index into its store_choices).
 Stored = frozenset[tuple[int, int]]
 NOTHING_STORED: Stored = frozenset()
+
+
+def is_lossy(choice: StoreChoice) -> bool:
+    return choice.kind == "quantize"
+
+
+def lossy_values(problem: ActivationProblem, recompute: frozenset[int], stored: Stored) -> set[int]:
+    """Candidates whose backward value is inexact: stored in a lossy form, or recomputed from
+    such a value (recomputations read the converted-back copy)."""
+    lossy = {i for i, k in stored if is_lossy(problem.choices_of(i)[k])}
+    for c in sorted(recompute):  # topological order: what c reads is settled before c
+        if any(j in lossy for j in problem.recompute_reads[c]):
+            lossy.add(c)
+    return lossy
 
 
 @dataclass(frozen=True)
@@ -195,17 +229,24 @@ def step_loads(
             materialised = reload_step(problem, i, choice, start[i]) * scale + i
         add(problem.nbytes[i], materialised, ends[i])
     slots = sorted(diff)
+    before_node = problem.before_node_bytes
     loads, running, k = [], 0, 0
     for t in range(horizon):
+        node_slot = t * scale + scale - 1
         while k < len(slots) and slots[k] <= t * scale:
             running += diff[slots[k]]
             k += 1
-        most = running
-        while k < len(slots) and slots[k] < (t + 1) * scale:
+        # Slots before the node see the fixed bytes without the node's own allocations.
+        most_before = running if t * scale < node_slot else None
+        while k < len(slots) and slots[k] < node_slot:
             running += diff[slots[k]]
-            most = max(most, running)
+            most_before = max(most_before, running)
             k += 1
-        loads.append(problem.fixed_bytes[t] + most)
+        while k < len(slots) and slots[k] <= node_slot:
+            running += diff[slots[k]]
+            k += 1
+        at_node = problem.fixed_bytes[t] + running
+        loads.append(at_node if most_before is None else max(at_node, before_node[t] + most_before))
     return loads
 
 
@@ -241,6 +282,7 @@ def is_consistent(problem: ActivationProblem, keep: frozenset[int], recompute: f
         needed == held | set(recompute)
         and all(problem.can_keep[i] for i in keep)
         and all(problem.can_recompute[i] for i in recompute)
+        and not any(problem.exact_required(i) for i in lossy_values(problem, recompute, stored))
     )
 
 
@@ -255,17 +297,31 @@ def close_decisions(
     keep: set[int] = set()
     recompute: set[int] = set()
     stored: set[tuple[int, int]] = set()
+    exact: set[int] = set()  # what a must-be-exact recomputation reads (readers come first)
     for i in reversed(range(len(problem.names))):
         if i not in needed:
             continue
         if (i in prefer_recompute or not problem.can_keep[i]) and problem.can_recompute[i]:
             recompute.add(i)
             needed.update(problem.recompute_reads[i])
-        elif i in prefer_store and problem.can_keep[i]:
+            if i in exact or problem.exact_required(i):
+                exact.update(problem.recompute_reads[i])
+        elif (i in prefer_store and problem.can_keep[i]
+              and not (is_lossy(problem.choices_of(i)[prefer_store[i]]) and (i in exact or problem.exact_required(i)))):
             stored.add((i, prefer_store[i]))
         else:
             keep.add(i)
     return frozenset(keep), frozenset(recompute), frozenset(stored)
+
+
+def exact_needed(problem: ActivationProblem, recompute: set[int] | frozenset[int]) -> set[int]:
+    """Candidates that a must-be-exact candidate is (transitively) recomputed from: they may not
+    be stored in a lossy form."""
+    exact: set[int] = set()
+    for c in sorted(recompute, reverse=True):  # readers before what they read
+        if c in exact or problem.exact_required(c):
+            exact.update(problem.recompute_reads[c])
+    return exact
 
 
 def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[int], end: list[int]) -> int:
@@ -281,13 +337,18 @@ def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[
     return problem.nbytes[i] if choice.release_step < t < reload_step(problem, i, choice, start[i]) else 0
 
 
-def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozenset[int], frozenset[int], Stored]:
-    """Start from keeping everything; while the peak is over budget, change the kept tensor live
-    at the peak step that frees the most bytes there per second of added time (recompute it, or
-    store it as one of its store choices). Always a consistent plan; returns the first under
-    budget, else the one with the least peak seen."""
-    prefer: set[int] = set()
-    prefer_store: dict[int, int] = {}
+def greedy_plan(
+    problem: ActivationProblem, budget_bytes: int,
+    start_from: tuple[frozenset[int], frozenset[int], Stored] | None = None, store_only: bool = False,
+    per_second: bool = True,
+) -> tuple[frozenset[int], frozenset[int], Stored]:
+    """Start from keeping everything (or from `start_from`); while the peak is over budget, change
+    the kept tensor live at the peak step that frees the most bytes there per second of added
+    time (or the most bytes, without `per_second`): recompute it, unless `store_only`, or store
+    it as one of its store choices. Always a consistent plan; returns the first under budget,
+    else the one with the least peak seen."""
+    prefer: set[int] = set(start_from[1]) if start_from else set()
+    prefer_store: dict[int, int] = dict(start_from[2]) if start_from else {}
     plan = close_decisions(problem, prefer, prefer_store)
     best_plan, best_peak = plan, None
     for _ in range(2 * len(problem.names) + 1):
@@ -300,19 +361,21 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
         if peak <= budget_bytes:
             return plan
         start, end = placed
+        exact = exact_needed(problem, plan[1])
         moves = []
         for i in plan[0]:
             if i in prefer or problem.nbytes[i] == 0:
                 continue
-            options = [("store", k) for k in range(len(problem.choices_of(i)))]
-            if problem.can_recompute[i]:
+            options = [("store", k) for k, choice in enumerate(problem.choices_of(i))
+                       if not (is_lossy(choice) and (i in exact or problem.exact_required(i)))]
+            if problem.can_recompute[i] and not store_only:
                 options.append(("recompute", -1))
             for move in options:
                 freed = _bytes_freed_at(problem, i, move, t, start, end)
                 cost = (problem.recompute_cost_s[i] if move[0] == "recompute"
                         else problem.choices_of(i)[move[1]].time_cost_s + problem.choices_of(i)[move[1]].link_s)
                 if freed > 0:
-                    moves.append((freed / (cost + 1e-9), -i, move, i))
+                    moves.append((freed / (cost + 1e-9) if per_second else freed, -i, move, i))
         if not moves:
             break
         _, _, move, pick = max(moves)
@@ -325,14 +388,21 @@ def greedy_plan(problem: ActivationProblem, budget_bytes: int) -> tuple[frozense
     return best_plan
 
 
-def _fixed_segments(fixed: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """Maximal runs of equal fixed bytes: (start, end, bytes)."""
+def _fixed_segments(problem: ActivationProblem, scale: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal fixed bytes on the fine grid: (first slot, last slot, bytes). In step
+    t, the slots before the node's own (t*S + S - 1) hold the before-node bytes."""
     runs: list[tuple[int, int, int]] = []
-    for t, b in enumerate(fixed):
-        if runs and runs[-1][2] == b and runs[-1][1] == t - 1:
-            runs[-1] = (runs[-1][0], t, b)
+
+    def extend(a: int, b: int, nbytes: int) -> None:
+        if runs and runs[-1][2] == nbytes and runs[-1][1] == a - 1:
+            runs[-1] = (runs[-1][0], b, nbytes)
         else:
-            runs.append((t, t, b))
+            runs.append((a, b, nbytes))
+
+    for t, (before, at_node) in enumerate(zip(problem.before_node_bytes, problem.fixed_bytes)):
+        if scale > 1:
+            extend(t * scale, t * scale + scale - 2, before)
+        extend(t * scale + scale - 1, t * scale + scale - 1, at_node)
     return runs
 
 
@@ -458,9 +528,10 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
             intervals.append(model.NewOptionalIntervalVar(reload * scale + i, size, end[i] + 1, store[i][k],
                                                           f"reload_iv_{i}_{k}"))
             demands.append(problem.nbytes[i])
-    for a, b, fixed in _fixed_segments(problem.fixed_bytes):
+    _add_exactness(model, problem, recompute, store)
+    for a, b, fixed in _fixed_segments(problem, scale):
         if fixed:
-            intervals.append(model.NewIntervalVar(a * scale, (b - a + 1) * scale, (b + 1) * scale, f"fixed_{a}"))
+            intervals.append(model.NewIntervalVar(a, b - a + 1, b + 1, f"fixed_{a}"))
             demands.append(fixed)
     if budget_bytes is None:
         capacity = model.NewIntVar(0, sum(problem.nbytes) + max(problem.fixed_bytes, default=0), "peak")
@@ -470,6 +541,28 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
         model.Minimize(_time_objective(model, problem, recompute, store))
     model.AddCumulative(intervals, demands, capacity)
     return _Model(model, keep, recompute, store, start, end)
+
+
+def _add_exactness(model: cp_model.CpModel, problem: ActivationProblem, recompute: list, store: list) -> None:
+    """lossy_i >= q_ik for lossy choices k; lossy_c >= lossy_j + r_c - 1 for j read by c's
+    recomputation; lossy_c = 0 where c must be exact (lower bounds suffice: nothing rewards
+    lossy_i = 1)."""
+    if not problem.must_be_exact or not any(problem.must_be_exact):
+        return
+    lossy: dict[int, cp_model.IntVar] = {}
+    for i in range(len(problem.names)):
+        sources = [store[i][k] for k, ch in enumerate(problem.choices_of(i)) if is_lossy(ch)]
+        inherited = [lossy[j] for j in problem.recompute_reads[i] if j in lossy] if problem.can_recompute[i] else []
+        if not sources and not inherited:
+            continue
+        var = model.NewBoolVar(f"lossy_{i}")
+        for q in sources:
+            model.Add(var >= q)
+        for parent in inherited:
+            model.Add(var >= parent + recompute[i] - 1)
+        if problem.must_be_exact[i]:
+            model.Add(var == 0)
+        lossy[i] = var
 
 
 def _units(seconds: float) -> int:
@@ -567,7 +660,8 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     outcome = run_model(built.model, time_limit_s=2 * time_limit_s, workers=1, seed=seed,
                         extra_params={"max_deterministic_time": time_limit_s})
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    options = [frugal, greedy_plan(problem, 0)] + ([_decisions_from(outcome, built)] if outcome.has_solution else [])
+    options = [frugal, greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
+    options += [_decisions_from(outcome, built)] if outcome.has_solution else []
     best = min(options, key=lambda d: evaluate(problem, *d))
     peak, added = evaluate(problem, *best)
     # The status speaks of the peak, not of time: this plan minimises memory, then stops.

@@ -1,0 +1,81 @@
+"""The solver's memory model against the exact liveness of the graphs the plan produces.
+
+The model must never claim less than the rewritten graphs hold (the planner's check would then
+have to tighten), and it must not claim much more either: an over-count raises the smallest
+budget we report and makes plans recompute what they need not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memcompile
+from memcompile import planner
+from memcompile.solver.activations import step_loads
+from tests.models import AttentionStack, ConvBN, MLP
+
+
+def _attempts(monkeypatch, model, x, limit, **options):
+    """Every (analysis, solution, timeline) the planner checked while compiling `model`."""
+    seen = []
+    original_analyze = planner.analyze_joint_graph
+    original_check = planner._rewrite_and_check
+    analyses = []
+
+    def analyze(*args, **kwargs):
+        analyses.append(original_analyze(*args, **kwargs))
+        return analyses[-1]
+
+    def check(joint, analysis, solution, *args, **kwargs):
+        attempt = original_check(joint, analysis, solution, *args, **kwargs)
+        seen.append((analysis, solution, attempt.timeline))
+        return attempt
+
+    monkeypatch.setattr(planner, "analyze_joint_graph", analyze)
+    monkeypatch.setattr(planner, "_rewrite_and_check", check)
+    torch.compiler.reset()
+    step = torch.compile(model, backend=memcompile.budget(limit, codegen="aot_eager", time_limit_s=5, **options))
+    try:
+        step(x).sum().backward()
+    except memcompile.InfeasibleBudgetError:
+        pass
+    return seen
+
+
+CASES = [
+    ("attention", lambda: AttentionStack(32, 4, 3), lambda: torch.randn(4, 16, 32, requires_grad=True)),
+    ("mlp", lambda: MLP(64, 4), lambda: torch.randn(32, 64, requires_grad=True)),
+    ("conv", lambda: ConvBN(4, 3), lambda: torch.randn(2, 4, 12, 12, requires_grad=True)),
+]
+
+
+@pytest.mark.parametrize("name,make_model,make_input", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("limit", [10**12, 1])  # keep-all, and the least-peak plans of an infeasible budget
+def test_forward_model_is_safe_and_tight(monkeypatch, name, make_model, make_input, limit):
+    torch.manual_seed(0)
+    attempts = _attempts(monkeypatch, make_model(), make_input(), limit)
+    assert attempts
+    for analysis, solution, timeline in attempts:
+        loads = step_loads(analysis.problem, *solution.decisions)
+        forward_steps = len(analysis.forward_nodes)
+        modelled = max(loads[:forward_steps])
+        checked = max(s.live_bytes for s in timeline.steps if s.phase == "forward")
+        assert modelled >= checked, (name, solution.status)
+        # Forward lifetimes end at forward readers: readers that only the backward runs (the
+        # joint graph places some before the first tangent use) must not stretch them.
+        assert modelled <= 1.15 * checked, (name, solution.status, modelled, checked)
+
+
+def test_least_peak_plan_is_modelled_close_to_its_check(monkeypatch):
+    """min_feasible_bytes comes from the checked least-peak plan; the model that chose it must
+    see the same peak within a node's own output (the recomputations placed before a node are
+    modelled next to that node's output)."""
+    torch.manual_seed(0)
+    attempts = _attempts(monkeypatch, AttentionStack(32, 4, 4), torch.randn(8, 16, 32, requires_grad=True), 1)
+    least = [(a, s, t) for a, s, t in attempts if s.status.startswith("least_peak")]
+    assert least
+    for analysis, solution, timeline in least:
+        modelled = max(step_loads(analysis.problem, *solution.decisions))
+        largest_output = max(analysis.problem.nbytes)
+        assert modelled <= timeline.peak_bytes + largest_output
