@@ -6,6 +6,11 @@
 Budget = ceil(fraction * baseline peak), where the baseline runs the graph in its topological order
 and frees every tensor right after its last use. The graphs are read from the shared data folder
 and never copied into the repository; the sweep is skipped when the folder is absent.
+
+The sweep writes `benchmarks/results/remat_graphs.{json,md}`. Wall-clock times are noisy on a shared
+machine, so every row also records the process CPU seconds of the solve (all solver threads;
+close to wall x workers when the machine is idle, and much less sensitive to other load) and the
+1-minute load average when the solve started.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
 import sys
+import time
 from pathlib import Path
 
 from memcompile.solver.remat import (
@@ -36,7 +44,10 @@ def run_one(path: Path, fraction: float, time_limit_s: float) -> dict:
     original_id = {str(v): v for v in graph.nodes}  # node ids exactly as in the JSON file
     baseline_peak, baseline_cost = simulate(problem, baseline_schedule(problem))
     budget = math.ceil(fraction * baseline_peak)
+    load_1m = os.getloadavg()[0]
+    cpu_started = time.process_time()
     result = solve_remat(problem, budget, time_limit_s=time_limit_s)
+    cpu_s = time.process_time() - cpu_started
     return {
         "graph": path.name,
         "n": problem.n,
@@ -52,6 +63,8 @@ def run_one(path: Path, fraction: float, time_limit_s: float) -> dict:
         "proven_gap": result.proven_gap if result.has_schedule else None,
         "peak_lower_bound": result.peak_lower_bound,
         "solve_s": round(result.solve_s, 3),
+        "cpu_s": round(cpu_s, 3),
+        "load_1m": round(load_1m, 2),
         "status": result.status,
         "schedule": _schedule_with_ids(result, problem.names, original_id),
     }
@@ -69,8 +82,8 @@ def markdown_table(rows: list[dict]) -> str:
     """
     lines = [
         "| graph | n | f | budget | peak | cost overhead | bound overhead (formulation) | gap (formulation) "
-        "| bound overhead (proven) | gap (proven) | solve_s | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bound overhead (proven) | gap (proven) | solve_s | cpu_s | load | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         c0 = r["baseline_cost"]
@@ -87,7 +100,7 @@ def markdown_table(rows: list[dict]) -> str:
             cells = ["-"] * 6
         lines.append(
             f"| {r['graph']} | {r['n']} | {r['budget_fraction']} | {r['budget']} | {' | '.join(cells)} | "
-            f"{r['solve_s']:.2f} | {_status_text(r)} |"
+            f"{r['solve_s']:.2f} | {r['cpu_s']:.1f} | {r['load_1m']:.1f} | {_status_text(r)} |"
         )
     return "\n".join(lines)
 
@@ -109,6 +122,7 @@ def sweep(time_limit_s: float) -> int:
         print(f"skipped: no benchmark graphs under {DATA}")
         return 0
     rows = []
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for path in graphs:
         for fraction in FRACTIONS:
             row = run_one(path, fraction, time_limit_s)
@@ -117,11 +131,20 @@ def sweep(time_limit_s: float) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "remat_graphs.json").write_text(json.dumps(rows, indent=1) + "\n")
     table = markdown_table(rows)
+    machine = f"{os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}, ortools {_ortools_version()}"
     (RESULTS / "remat_graphs.md").write_text(
-        f"Rematerialization benchmark (time limit {time_limit_s:g}s per solve)\n\n{table}\n"
+        f"Rematerialization benchmark (time limit {time_limit_s:g}s per solve), started {started} on {machine}.\n"
+        "cpu_s: process CPU seconds of the solve (all threads); load: 1-minute load average at its start.\n\n"
+        f"{table}\n"
     )
     print(table)
     return 0
+
+
+def _ortools_version() -> str:
+    from importlib.metadata import version
+
+    return version("ortools")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -408,3 +408,87 @@ def test_repair_search_never_makes_a_plan_worse_or_overfull() -> None:
         intervals = R._intervals_from_computes(p, better)
         assert max(R._stage_loads(p, intervals, grid.horizon)) <= capacity
         assert replay(p, R._schedule_from_intervals(intervals))[0] <= capacity
+
+
+# ------------------------------------------------------------- event-level eviction schedules
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(dags(pinned=True, max_n=7), skip_chains(max_n=8)), data=st.data())
+def test_eviction_schedules_are_valid_and_never_beat_brute_force(p: RematProblem, data) -> None:
+    import time
+
+    from memcompile.solver.remat_events import EvictionWeights, eviction_schedule
+
+    p0, _ = replay(p, baseline_schedule(p))
+    min_peak = brute_force_min_peak(p, p0)
+    budget = data.draw(st.sampled_from([min_peak - 1, min_peak, min_peak + 1, (min_peak + p0) // 2, p0]))
+    weights = EvictionWeights(data.draw(st.sampled_from([1.0, 2.0])), data.draw(st.sampled_from([1.0, 2.0])))
+    schedule = eviction_schedule(p, budget, weights, time.monotonic() + 5)
+    optimum = brute_force_min_cost(p, budget)
+    event("no schedule" if schedule is None else "schedule")
+    if schedule is None:
+        return
+    assert optimum is not None, "a schedule under a budget brute force proves infeasible"
+    peak, cost = replay(p, schedule)
+    assert peak <= budget and cost >= optimum - 1e-9
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(dags(min_n=9, max_n=40), skip_chains(max_n=14)), data=st.data())
+def test_undoing_evictions_keeps_schedules_valid_and_never_costs_more(p: RematProblem, data) -> None:
+    import time
+
+    from memcompile.solver.remat_events import EvictionWeights, eviction_schedule, undo_evictions
+
+    p0, _ = replay(p, baseline_schedule(p))
+    budget = data.draw(st.integers(min(peak_lower_bound(p), p0), p0), label="budget")
+    noise = data.draw(st.sampled_from([0.0, 0.5]))
+    schedule = eviction_schedule(p, budget, EvictionWeights(noise=noise), time.monotonic() + 5, seed=1)
+    if schedule is None:
+        return
+    peak, cost = replay(p, schedule)
+    assert peak <= budget
+    better = undo_evictions(p, schedule, budget, time.monotonic() + 5)
+    new_peak, new_cost = replay(p, better)
+    event("undo saved" if new_cost < cost else "undo kept")
+    assert new_peak <= budget and new_cost <= cost + 1e-9
+
+
+def test_undo_evictions_keeps_a_tensor_when_the_budget_allows() -> None:
+    import time
+
+    from memcompile.solver.remat_events import undo_evictions
+
+    # 0 -> 1 -> 2, and 3 reads 0 again: freeing 0 and recomputing it is needless at budget 9.
+    p = RematProblem(("a", "b", "c", "d"), ((), (0,), (1,), (0, 2)), (5, 1, 1, 1), (2, 3, 3, 1))
+    wasteful = (
+        ("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("free", 1),
+        ("compute", 0), ("compute", 3), ("free", 0), ("free", 2), ("free", 3),
+    )  # fmt: skip
+    assert replay(p, wasteful) == (6, 13)
+    assert replay(p, undo_evictions(p, wasteful, 9, time.monotonic() + 5)) == (8, 8)
+    assert replay(p, undo_evictions(p, wasteful, 7, time.monotonic() + 5)) == (6, 13)  # 0 must go
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(dags(min_n=9, max_n=30), skip_chains(max_n=14)), data=st.data())
+def test_event_level_fallback_returns_valid_schedules_above_the_proven_bound(p: RematProblem, data) -> None:
+    # Force the stage grid to find nothing, as it does near the least peak on the large graphs.
+    from unittest import mock
+
+    from memcompile.solver import remat as R
+
+    p0, c0 = replay(p, baseline_schedule(p))
+    budget = data.draw(st.integers(min(peak_lower_bound(p), p0), p0), label="budget")
+    no_plan = lambda problem, capacity, substeps, c, deadline, cheapest=False: (R._make_grid(problem, substeps, c), None)  # noqa: E731
+    with mock.patch.object(R, "_LARGE_MODEL", -1), mock.patch.object(R, "_grid_with_greedy_plan", no_plan):
+        result = solve_remat(p, budget, time_limit_s=0.5)
+    event(result.status)
+    if not result.schedule:
+        assert result.status in NO_SCHEDULE
+        return
+    assert result.status == "heuristic_events"
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and (peak, cost) == (result.peak, result.cost)
+    assert c0 - 1e-9 <= result.proven_lower_bound <= cost + 1e-9

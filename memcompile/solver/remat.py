@@ -26,6 +26,8 @@ CP-SAT runs in two phases (`_two_phase_solve`): a short one with objective lower
 (proves the Checkmate graphs fast), then default search warm-started from its best solution.
 Models with more than `_LARGE_MODEL` input-cover literals skip CP-SAT (building and presolving
 alone took ~15 s at 1000 nodes): greedy variants, then a repair search (`_improve_by_repair`).
+When the stage grid yields no schedule (near the least peak, where recomputation chains must be
+freed inside a stage), `remat_events` schedules event by event with eviction instead.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class RematResult:
 
     status: "optimal" (proven within the formulation), "feasible" (CP-SAT schedule, gap > 0),
     "heuristic" (model too large for CP-SAT in time: greedy + repair search, gap vs proven bound),
+    "heuristic_events" (the stage grid found no schedule: event-level eviction schedule from
+    `remat_events`, gap vs proven bound),
     "timeout_fallback" (CP-SAT found nothing better in time; greedy schedule returned),
     "infeasible" (budget below a proven lower bound on the minimum peak),
     "infeasible_in_model" (CP-SAT proved no schedule exists within the formulation and the greedy
@@ -818,6 +822,9 @@ def solve_remat(
         schedule = _checked(problem, budget, _intervals_from_computes(problem, plan))
         if schedule is not None:
             return _with_schedule(problem, schedule, proven, proven, "heuristic", started)
+    if large and greedy is None:
+        # The stage grid found nothing and CP-SAT would not finish building: schedule by events.
+        return _event_level_fallback(problem, budget, proven, peak_lb, "no_schedule", deadline, seed, started)
     scale = _cost_scale(problem.cost)
     rm = _build_model(problem, grid, capacity, scale)
     if greedy is not None:
@@ -836,7 +843,29 @@ def solve_remat(
         lower = base_cost + outcome.lower_bound / scale if outcome.has_solution else base_cost
         return _with_schedule(problem, fallback, max(lower, proven), proven, "timeout_fallback", started)
     status = "infeasible_in_model" if outcome.status == "infeasible" else "no_schedule"
-    return _no_schedule(status, peak_lb, started)
+    return _event_level_fallback(problem, budget, proven, peak_lb, status, deadline, seed, started)
+
+
+def _event_level_fallback(
+    problem: RematProblem,
+    budget: int,
+    proven: float,
+    peak_lb: int,
+    status_if_none: str,
+    deadline: float,
+    seed: int,
+    started: float,
+) -> RematResult:
+    """Schedules the stage grid cannot express (recomputation chains inside a stage), by eviction.
+
+    Runs until `deadline` (at least one attempt); its schedules are replayed and fit the budget.
+    """
+    from .remat_events import best_eviction_schedule  # imports this module
+
+    schedule = best_eviction_schedule(problem, budget, deadline, seed)
+    if schedule is None:
+        return _no_schedule(status_if_none, peak_lb, started)
+    return _with_schedule(problem, schedule, proven, proven, "heuristic_events", started)
 
 
 # Phase 1 searches with CP-SAT's objective lower-bound search, which proves the Checkmate graphs

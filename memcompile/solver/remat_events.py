@@ -1,0 +1,301 @@
+"""Event-level schedules by eviction, for budgets the stage grid of `remat.py` cannot express.
+
+The stage grid keeps every recomputation of a stage resident until the stage's first computation
+is done, so a chain of recomputations (u recomputed only to recompute its successor w) holds u
+and w at once. Near the least peak that leaves the grid without any schedule
+(random_layered_n500 and n1000 at 0.7 P0). This module works on events directly, in the spirit of
+Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021; written from the idea, not code),
+with the future known:
+
+* First computations run in node order. Before computing a node, its inputs are made resident,
+  missing ones recomputed recursively (inputs with the costliest recomputation first, while
+  memory is emptiest); an input stays pinned until its reader is computed.
+* When a computation does not fit, an unpinned tensor is freed: one that nothing can read again
+  if any, else the one with the least `recompute cost / (bytes * distance to its next need)`.
+  The recompute cost includes missing ancestors (a few levels); a tensor's next need is its next
+  first-computation reader or the next need of a missing successor it would feed.
+* `undo_evictions` then drops recomputations whose tensor can instead stay resident in between,
+  most expensive first, while the peak stays within the budget.
+
+Every schedule is replayed by `simulate` before it is returned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .remat import Event, InvalidSchedule, RematProblem, Schedule, simulate
+
+
+@dataclass(frozen=True)
+class EvictionWeights:
+    """Victim score = recompute cost / (bytes**size_power * distance**distance_power); noise: jitter."""
+
+    distance_power: float = 1.0
+    size_power: float = 1.0
+    noise: float = 0.0
+
+
+_VARIANTS = (
+    EvictionWeights(1.0, 1.0),
+    EvictionWeights(2.0, 1.0),
+    EvictionWeights(1.0, 2.0),
+    EvictionWeights(2.0, 2.0),
+)
+_ANCESTRY_DEPTH = 4  # levels of missing ancestors charged to a victim's recompute cost
+
+
+class _Stuck(Exception):
+    """Every resident tensor is pinned and the next computation does not fit."""
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def eviction_schedule(
+    problem: RematProblem, budget: int, weights: EvictionWeights, deadline: float, seed: int = 0
+) -> Schedule | None:
+    """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget."""
+    limit = sys.getrecursionlimit()
+    # Recomputation chains recurse once per node (a few frames each); the default limit of 1000
+    # would cut chains on the 1000-node benchmark graphs.
+    sys.setrecursionlimit(max(limit, 4 * problem.n + 1000))
+    try:
+        events = _Evictor(problem, budget, weights, deadline, random.Random(seed)).run()
+        peak, _ = simulate(problem, events)
+    except (_Stuck, _OutOfTime, RecursionError, InvalidSchedule):
+        return None
+    finally:
+        sys.setrecursionlimit(limit)
+    return events if peak <= budget else None
+
+
+def best_eviction_schedule(problem: RematProblem, budget: int, deadline: float, seed: int = 0) -> Schedule | None:
+    """Cheapest schedule over the weight variants, then jittered restarts, each polished by
+    `undo_evictions`, until `deadline` (at least one run, so tiny graphs always get a try)."""
+    rng = random.Random(seed)
+    best: tuple[float, Schedule] | None = None
+    failures = 0
+    for attempt in range(10_000):
+        if attempt and time.monotonic() >= deadline:
+            break
+        if attempt < len(_VARIANTS):
+            weights = _VARIANTS[attempt]
+        else:
+            if best is None and failures >= 3 * len(_VARIANTS):
+                break  # nothing fits: jitter will not help either
+            base = _VARIANTS[rng.randrange(len(_VARIANTS))]
+            weights = EvictionWeights(base.distance_power, base.size_power, noise=rng.uniform(0.1, 1.0))
+        run_deadline = deadline if attempt else max(deadline, time.monotonic() + 1.0)
+        schedule = eviction_schedule(problem, budget, weights, run_deadline, seed=seed + attempt)
+        if schedule is None:
+            failures += 1
+            continue
+        schedule = undo_evictions(problem, schedule, budget, deadline)
+        cost = simulate(problem, schedule)[1]
+        if best is None or cost < best[0]:
+            best = (cost, schedule)
+    return None if best is None else best[1]
+
+
+def undo_evictions(problem: RematProblem, schedule: Schedule, budget: int, deadline: float) -> Schedule:
+    """Keep tensors resident instead of freeing and recomputing them, where the budget allows.
+
+    A recomputation of v at event j whose previous free of v is at event i: dropping both holds v
+    over (i, j), which is valid (no other event of v lies between) and removes a computation; it
+    is kept when every computation in between still fits with v's bytes added. Costliest first.
+    Then recomputations that nothing reads before they are freed are dropped. Repeats while
+    anything changes; the result is replayed and the input returned if the replay disagrees.
+    """
+    events = list(schedule)
+    alive = np.ones(len(events), dtype=bool)
+    load = _compute_loads(problem, events)  # memory during each compute event, -inf for frees
+    changed = True
+    while changed and time.monotonic() < deadline:
+        changed = False
+        for i, j in _eviction_pairs(problem, events, alive):
+            if time.monotonic() >= deadline:
+                break
+            size = problem.size[events[j][1]]
+            if load[i + 1 : j].max(initial=-np.inf) + size <= budget:
+                load[i + 1 : j] += size
+                load[j] = -np.inf
+                alive[i] = alive[j] = False
+                changed = True
+        changed |= _drop_unread_recomputations(problem, events, alive, load)
+    result = tuple(e for e, keep in zip(events, alive) if keep)
+    return result if _fits(problem, result, budget) else tuple(schedule)
+
+
+def _compute_loads(problem: RematProblem, events: list[Event]) -> np.ndarray:
+    load = np.full(len(events), -np.inf)
+    memory = problem.static_bytes
+    for k, (kind, v) in enumerate(events):
+        if kind == "compute":
+            memory += problem.size[v]
+            load[k] = memory
+        else:
+            memory -= problem.size[v]
+    return load
+
+
+def _eviction_pairs(problem: RematProblem, events: list[Event], alive: np.ndarray) -> list[tuple[int, int]]:
+    """(free index, recompute index) pairs among live events, the costliest recomputation first."""
+    last_free: dict[int, int] = {}
+    computed: set[int] = set()
+    pairs = []
+    for k in np.flatnonzero(alive).tolist():
+        kind, v = events[k]
+        if kind == "free":
+            last_free[v] = k
+        elif v in computed and v in last_free:
+            pairs.append((last_free.pop(v), k))
+        else:
+            computed.add(v)
+    return sorted(pairs, key=lambda ij: (-problem.cost[events[ij[1]][1]], ij))
+
+
+def _drop_unread_recomputations(
+    problem: RematProblem, events: list[Event], alive: np.ndarray, load: np.ndarray
+) -> bool:
+    """Drop a recomputation (and its free) when no computation reads it before the free."""
+    computed: set[int] = set()
+    open_compute: dict[int, int] = {}  # node -> index of its live recomputation not read yet
+    dropped = False
+    for k in np.flatnonzero(alive).tolist():
+        kind, v = events[k]
+        if kind == "compute":
+            for u in problem.preds[v]:
+                open_compute.pop(u, None)
+            if v in computed:
+                open_compute[v] = k
+            computed.add(v)
+        elif v in open_compute:
+            c = open_compute.pop(v)
+            load[c + 1 : k] -= problem.size[v]
+            load[c] = -np.inf
+            alive[c] = alive[k] = False
+            dropped = True
+    return dropped
+
+
+def _fits(problem: RematProblem, events: Schedule, budget: int) -> bool:
+    try:
+        peak, _ = simulate(problem, events)
+    except InvalidSchedule:
+        return False
+    return peak <= budget
+
+
+class _Evictor:
+    def __init__(
+        self, problem: RematProblem, budget: int, weights: EvictionWeights, deadline: float, rng: random.Random
+    ):
+        self.p = problem
+        self.budget = budget
+        self.w = weights
+        self.deadline = deadline
+        self.rng = rng
+        self.readers = [sorted(s) for s in problem.succs]  # first computations that read each node
+        self.resident: set[int] = set()
+        self.pins = [0] * problem.n
+        self.memory = problem.static_bytes
+        self.events: list[Event] = []
+        self.frontier = 0  # the node whose first computation is under way
+
+    def run(self) -> Schedule:
+        for t in range(self.p.n):
+            self.frontier = t
+            self._ensure(t)
+            needs: dict[int, float] = {}
+            for u in (t, *self.p.preds[t]):
+                if u in self.resident and not self.pins[u] and self._next_need(u, needs) == math.inf:
+                    self._free(u)
+        return tuple(self.events)
+
+    def _next_reader(self, v: int) -> float:
+        readers = self.readers[v]
+        i = bisect.bisect_left(readers, self.frontier)
+        return readers[i] if i < len(readers) else math.inf
+
+    def _next_need(self, v: int, memo: dict[int, float]) -> float:
+        """Next first computation that needs v: as an input, or to recompute a missing successor."""
+        if v in memo:
+            return memo[v]
+        memo[v] = math.inf  # guards the recursion; the DAG has no cycles
+        need = self._next_reader(v)
+        for w in self.p.succs[v]:
+            if w < self.frontier and w not in self.resident:
+                need = min(need, self._next_need(w, memo))
+        memo[v] = need
+        return need
+
+    def _recompute_cost(self, v: int, memo: dict[int, float], depth: int) -> float:
+        if v in self.resident:
+            return 0.0
+        if v not in memo:
+            inputs = sum(self._recompute_cost(u, memo, depth - 1) for u in self.p.preds[v]) if depth else 0.0
+            memo[v] = self.p.cost[v] + inputs
+        return memo[v]
+
+    def _ensure(self, v: int) -> None:
+        """Make v resident: inputs first (pinned until v is computed), then room, then compute."""
+        if v in self.resident:
+            return
+        if time.monotonic() > self.deadline:
+            raise _OutOfTime
+        if v < self.frontier and not self.p.recomputable[v]:
+            raise _Stuck
+        self.pins[v] += 1
+        costs: dict[int, float] = {}
+        # Missing inputs with the deepest recomputation first, while fewer inputs are pinned.
+        inputs = sorted(
+            self.p.preds[v], key=lambda u: (u in self.resident, -self._recompute_cost(u, costs, _ANCESTRY_DEPTH), u)
+        )
+        for u in inputs:
+            self._ensure(u)
+            self.pins[u] += 1
+        while self.memory + self.p.size[v] > self.budget:
+            victim = self._pick_victim()
+            if victim is None:
+                raise _Stuck
+            self._free(victim)
+        self.events.append(("compute", v))
+        self.resident.add(v)
+        self.memory += self.p.size[v]
+        self.pins[v] -= 1
+        for u in inputs:
+            self.pins[u] -= 1
+
+    def _free(self, u: int) -> None:
+        self.events.append(("free", u))
+        self.resident.discard(u)
+        self.memory -= self.p.size[u]
+
+    def _pick_victim(self) -> int | None:
+        needs: dict[int, float] = {}
+        costs: dict[int, float] = {}
+        best: tuple[float, int] | None = None
+        for v in sorted(self.resident):
+            if self.pins[v] or self.p.size[v] == 0:
+                continue
+            need = self._next_need(v, needs)
+            if need == math.inf:
+                return v  # nothing can read it again
+            if not self.p.recomputable[v]:
+                continue
+            cost = self.p.cost[v] + sum(self._recompute_cost(u, costs, _ANCESTRY_DEPTH - 1) for u in self.p.preds[v])
+            score = cost / (self.p.size[v] ** self.w.size_power * (need - self.frontier + 1) ** self.w.distance_power)
+            if self.w.noise:
+                score *= 1.0 + self.w.noise * self.rng.random()
+            if best is None or score < best[0]:
+                best = (score, v)
+        return None if best is None else best[1]
