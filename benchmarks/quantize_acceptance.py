@@ -91,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. for a run with MEMCOMPILE_FUSION_CHECK=1)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     load_at_start = os.getloadavg()[0]
@@ -137,12 +138,15 @@ def main() -> None:
         "smallest_budget_recompute_only": low_lossless, "smallest_budget_int8": low_int8,
         "rows": rows, "loss_curve_budget": curve_budget, "loss_curves": curves,
         "load_average": [load_at_start, os.getloadavg()[0]],
+        "fusion_check": os.environ.get("MEMCOMPILE_FUSION_CHECK", "") == "1",
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quantize_acceptance.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"quantize_acceptance{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     mib = 2**20
     lines = [
         f"# int8 vs recompute only ({result['model']})", "",
+        "prediction: fusion-aware (MEMCOMPILE_FUSION_CHECK=1)" if result["fusion_check"] else
+        "prediction: every op's result a buffer (default)",
         f"keep-all: predicted {free / mib:.2f} MiB, measured {base_peak / mib:.2f} MiB",
         "step ratio: median variant step / median plain-Inductor step, the two timed alternately (7 each); "
         f"1-min load average {result['load_average'][0]:.1f} at the start, {result['load_average'][1]:.1f} at the end",
@@ -162,7 +166,7 @@ def main() -> None:
     lines += ["", f"loss over {args.steps} steps at {curve_budget / mib:.2f} MiB (Adam 1e-3): "
               f"recompute only {lossless[0]:.4f} -> {lossless[-1]:.4f}; int8 {lossy[0]:.4f} -> {lossy[-1]:.4f}; "
               f"max |difference| {max(abs(a - b) for a, b in zip(lossless, lossy)):.2e}"]
-    (RESULTS / "quantize_acceptance.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"quantize_acceptance{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
