@@ -29,17 +29,25 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a distributed tensor (FSDP2's DTensor parameters and their grads
+    have no storage of their own); any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _tensors_of(things: Iterable[object]) -> Iterable[torch.Tensor]:
     for thing in things:
         if isinstance(thing, torch.nn.Module):
-            for t in list(thing.parameters()) + list(thing.buffers()):
-                yield t
-                if t.grad is not None:
-                    yield t.grad
+            tensors = list(thing.parameters()) + list(thing.buffers())
         elif isinstance(thing, torch.Tensor):
-            yield thing
-            if thing.grad is not None:
-                yield thing.grad
+            tensors = [thing]
+        else:
+            continue
+        for t in tensors:
+            yield _local(t)
+            if t.grad is not None:
+                yield _local(t.grad)
 
 
 def _all_live_cpu_tensors() -> list[torch.Tensor]:
