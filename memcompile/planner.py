@@ -69,6 +69,11 @@ def _store_options(options: Options, device: str) -> tuple[StoreOptions, bool]:
     return StoreOptions(options.quantize, offload, link), offload and not has_own_memory
 
 
+def _runs_under_inductor(options: Options) -> bool:
+    """The graphs go to Inductor (fusion matters to what they hold), not the FX interpreter."""
+    return options.codegen == "inductor"
+
+
 def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, offload_on_host: bool = False,
                        fuse: bool = False) -> _Attempt:
     # `fuse`: the graphs go to Inductor, which stores only what passes/fusion.py predicts it
@@ -163,13 +168,13 @@ def _plan_joint_graph(
     profile = profile_for(device)
     store, offload_on_host = _store_options(options, device)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
-                                   fuse=options.codegen == "inductor" and FUSION_CHECK_ALONE)
+                                   fuse=_runs_under_inductor(options) and FUSION_CHECK_ALONE)
     problem = analysis.problem
     budget = options.step_budget_bytes
 
     keep_all = close_decisions(problem, prefer_recompute=set())
     model_peak, _ = evaluate(problem, *keep_all)
-    fuse = options.codegen == "inductor"
+    fuse = _runs_under_inductor(options)
     baseline = _rewrite_and_check(
         joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
         fuse=fuse,
@@ -274,7 +279,7 @@ class Replanner:
             if solution.status == "infeasible":
                 break
             attempt = _rewrite_and_check(self.joint, self.analysis, solution, self.num_fwd_outputs,
-                                         self.offload_on_host, self.options.codegen == "inductor")
+                                         self.offload_on_host, _runs_under_inductor(self.options))
             log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
                       attempt.timeline.peak_bytes, solution.status)
             if attempt.timeline.peak_bytes <= budget:
@@ -331,7 +336,7 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_ho
     problem = analysis.problem
     least = solve_cached(solve_min_peak, problem, time_limit_s=options.time_limit_s,
                          workers=options.workers, seed=options.seed)
-    fuse = options.codegen == "inductor"
+    fuse = _runs_under_inductor(options)
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, offload_on_host, fuse)
     others = [close_decisions(problem, prefer_recompute=set(range(len(problem.names))))]
     if problem.store_choices:
@@ -418,7 +423,7 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
     fw, bw = tp.stock_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=static_lifetime_input_indices)
     try:
-        timeline = predicted_liveness(fw, bw, num_fwd_outputs, options.codegen == "inductor")
+        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _runs_under_inductor(options))
         peak, steps = timeline.peak_bytes, tuple(s.live_bytes for s in timeline.steps)
         phase, node, breakdown = timeline.peak_step.phase, timeline.peak_step.node, timeline.peak_breakdown
     except Exception:  # noqa: BLE001 - the prediction is informative only here

@@ -209,7 +209,7 @@ def analyze_joint_graph(
         fw_last_read[root[o]] = last
 
     fixed = [0] * (num_steps + 1)
-    born_at = [0] * num_steps  # what each step's node allocates (its outputs, its scratch)
+    allocated_by_node = [0] * num_steps  # what each step's node allocates (its outputs, its scratch)
     grad_roots = {root[g] for g in grad_outputs}  # a gradient may be a view (e.g. of an mm's result)
     # A tuple member is allocated by the op that returns the tuple, not by its getitem.
     born = {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
@@ -219,7 +219,7 @@ def analyze_joint_graph(
             fixed[start] += nbytes
             fixed[end + 1] -= nbytes
             if by_node:
-                born_at[start] += nbytes
+                allocated_by_node[start] += nbytes
 
     static_bytes = sum(tensor_nbytes(p.meta.get("val")) for p in primals if root[p] is p)
     add(static_bytes + OP_SCRATCH_BYTES, 0, last)
@@ -321,7 +321,7 @@ def analyze_joint_graph(
     for t in range(num_steps):
         running += fixed[t]
         fixed_bytes.append(running)
-    fixed_before = tuple(f - b for f, b in zip(fixed_bytes, born_at))
+    fixed_before = tuple(f - b for f, b in zip(fixed_bytes, allocated_by_node))
     problem = ActivationProblem(
         names=tuple(names),
         nbytes=tuple(nbytes),

@@ -69,3 +69,18 @@ def run_step(module: torch.nn.Module, x: torch.Tensor, params: list[torch.Tensor
 def assert_within_budget(step: Step, budget: int) -> None:
     assert step.plan.predicted_peak_bytes <= budget
     assert step.measured_peak_bytes <= budget, f"measured {step.measured_peak_bytes} > budget {budget}"
+
+
+def spy_analyses(monkeypatch) -> list:
+    """Record every JointAnalysis the planner makes (returned list fills as models compile)."""
+    from memcompile import planner
+
+    seen = []
+    original = planner.analyze_joint_graph
+
+    def spy(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(planner, "analyze_joint_graph", spy)
+    return seen

@@ -19,20 +19,13 @@ from tests.models import AttentionStack, ConvBN, MLP
 def _attempts(monkeypatch, model, x, limit, **options):
     """Every (analysis, solution, timeline) the planner checked while compiling `model`."""
     seen = []
-    original_analyze = planner.analyze_joint_graph
     original_check = planner._rewrite_and_check
-    analyses = []
-
-    def analyze(*args, **kwargs):
-        analyses.append(original_analyze(*args, **kwargs))
-        return analyses[-1]
 
     def check(joint, analysis, solution, *args, **kwargs):
         attempt = original_check(joint, analysis, solution, *args, **kwargs)
         seen.append((analysis, solution, attempt.timeline))
         return attempt
 
-    monkeypatch.setattr(planner, "analyze_joint_graph", analyze)
     monkeypatch.setattr(planner, "_rewrite_and_check", check)
     torch.compiler.reset()
     step = torch.compile(model, backend=memcompile.budget(limit, codegen="aot_eager", time_limit_s=5, **options))

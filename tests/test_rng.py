@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import memcompile
-from budget_helpers import budget_range, grads, run_step, assert_within_budget
+from budget_helpers import assert_within_budget, budget_range, grads, run_step, spy_analyses
 from memcompile.passes.graph_facts import is_random_op
 
 
@@ -122,28 +122,13 @@ def test_random_ops_give_bit_identical_grads_under_any_budget(kind, p, batch, fr
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def _spy_analysis(monkeypatch):
-    """Record every JointAnalysis the planner makes."""
-    from memcompile import planner
-
-    seen = []
-    original = planner.analyze_joint_graph
-
-    def spy(*args, **kwargs):
-        seen.append(original(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(planner, "analyze_joint_graph", spy)
-    return seen
-
-
 @pytest.mark.parametrize("kind", ["mlp", "attention"])
 def test_values_downstream_of_random_ops_are_recomputed_from_the_kept_draw(kind, monkeypatch):
     model, x = build(kind, 0.5, 8)
     params = list(model.parameters()) + [x]
     expected = stock_grads(model, x, seed=3)
     low, _high = budget_range(model, x)
-    analyses = _spy_analysis(monkeypatch)
+    analyses = spy_analyses(monkeypatch)
     step = run_step(model, x, params, low, seed=3)
     analysis = analyses[-1]
     random_nodes = {n for n in analysis.forward_nodes if is_random_op(n)}
@@ -223,7 +208,7 @@ def test_random_ops_emitted_for_cpu_training_graphs_are_all_recognised(monkeypat
     the joint graphs' random nodes are exactly the nodes of the known random operators."""
     known = {getattr(getattr(torch.ops.aten, name), o) for name in RANDOM_PACKETS
              for o in getattr(torch.ops.aten, name).overloads()}
-    analyses = _spy_analysis(monkeypatch)
+    analyses = spy_analyses(monkeypatch)
     emitted = set()
     for kind in ("mlp", "conv", "mix"):
         model, x = build(kind, 0.5, 4)

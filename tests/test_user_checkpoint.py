@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import memcompile
-from budget_helpers import assert_within_budget, budget_range, compile_under, grads, run_step
+from budget_helpers import assert_within_budget, budget_range, compile_under, grads, run_step, spy_analyses
 from memcompile.passes.graph_facts import checkpoint_policy
 
 
@@ -59,20 +59,6 @@ class Blocks(nn.Module):
         return x.pow(2).mean()
 
 
-def _spy(monkeypatch):
-    from memcompile import planner
-
-    seen = []
-    original = planner.analyze_joint_graph
-
-    def spy(*args, **kwargs):
-        seen.append(original(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(planner, "analyze_joint_graph", spy)
-    return seen
-
-
 def _data(batch=128):
     torch.manual_seed(0)
     return torch.randn(batch, 32, requires_grad=True)
@@ -82,7 +68,7 @@ def test_must_policies_are_constraints_at_every_budget(monkeypatch):
     model, x = Blocks(must_policy), _data()
     params = list(model.parameters()) + [x]
     eager = grads(params, lambda: model(x))
-    analyses = _spy(monkeypatch)
+    analyses = spy_analyses(monkeypatch)
     low, high = budget_range(model, x)
     assert low < high
     for budget in (high, (low + high) // 2, low):
