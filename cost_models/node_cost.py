@@ -43,6 +43,7 @@ def estimate_node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if is_aliasing_op(node) or is_getitem(node):
         return 0.0  # views and tuple access cost no compute
-    compute_s = node_flops(node) / profile.matmul_flops_per_s
+    val = node.meta.get("val")
+    compute_s = node_flops(node) / profile.matmul_rate(val.dtype if isinstance(val, torch.Tensor) else None)
     memory_s = node_bytes_moved(node) / profile.memory_bytes_per_s
     return max(compute_s, memory_s) + profile.op_overhead_s

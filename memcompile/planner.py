@@ -61,12 +61,13 @@ def _device_of(joint_inputs) -> str:
     return "cpu"
 
 
-def _store_options(options: Options, device: str) -> tuple[StoreOptions, bool]:
-    """(what the solver may offer besides keep/recompute, whether offload copies stay on this host)."""
+def _store_options(options: Options, device: str) -> StoreOptions:
+    """What the solver may offer besides keep/recompute. Offload by default only where the device
+    has memory of its own; forced on elsewhere (a test switch) its copies stay in that memory."""
     has_own_memory = device.startswith(("cuda", "xpu"))
     offload = has_own_memory if options.offload is None else options.offload
     link = (options.host_link_gbps or 0.0) * 1e9
-    return StoreOptions(options.quantize, offload, link), offload and not has_own_memory
+    return StoreOptions(options.quantize, offload, link)
 
 
 def _runs_under_inductor(options: Options) -> bool:
@@ -74,12 +75,10 @@ def _runs_under_inductor(options: Options) -> bool:
     return options.codegen == "inductor"
 
 
-def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, offload_on_host: bool = False,
-                       fuse: bool = False) -> _Attempt:
+def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = False) -> _Attempt:
     # `fuse`: the graphs go to Inductor, which stores only what passes/fusion.py predicts it
     # materializes; the FX interpreter (aot_eager) stores every node's result.
-    fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored,
-                        offload_on_host=offload_on_host)
+    fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored)
     return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse))
 
 
@@ -166,7 +165,7 @@ def _plan_joint_graph(
     joint = tp.prepare_joint_graph(joint)
     device = options.device or _device_of(joint_inputs)
     profile = profile_for(device)
-    store, offload_on_host = _store_options(options, device)
+    store = _store_options(options, device)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
                                    fuse=_runs_under_inductor(options) and FUSION_CHECK_ALONE)
     problem = analysis.problem
@@ -180,7 +179,7 @@ def _plan_joint_graph(
         fuse=fuse,
     )
     before = baseline.timeline
-    replanner = Replanner(joint, analysis, num_fwd_outputs, options, offload_on_host, baseline)
+    replanner = Replanner(joint, analysis, num_fwd_outputs, options, baseline)
     chosen = baseline if before.peak_bytes <= budget else None
     solve_s = 0.0
     if request is not None:
@@ -188,7 +187,7 @@ def _plan_joint_graph(
         if request.least_peak:
             chosen = None  # asked for the least peak even where more would fit
         elif request.decisions is not None and request.fingerprint == replanner.fingerprint:
-            forced = _rewrite_and_check(joint, analysis, request.decisions, num_fwd_outputs, offload_on_host, fuse)
+            forced = _rewrite_and_check(joint, analysis, request.decisions, num_fwd_outputs, fuse)
             if forced.timeline.peak_bytes <= budget:
                 chosen = forced
     if chosen is None and not (request is not None and request.least_peak):
@@ -196,7 +195,7 @@ def _plan_joint_graph(
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
-        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_host)
+        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options)
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
@@ -254,7 +253,6 @@ class Replanner:
     analysis: JointAnalysis
     num_fwd_outputs: int
     options: Options
-    offload_on_host: bool
     keep_all: _Attempt
 
     @property
@@ -279,7 +277,7 @@ class Replanner:
             if solution.status == "infeasible":
                 break
             attempt = _rewrite_and_check(self.joint, self.analysis, solution, self.num_fwd_outputs,
-                                         self.offload_on_host, _runs_under_inductor(self.options))
+                                         _runs_under_inductor(self.options))
             log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
                       attempt.timeline.peak_bytes, solution.status)
             if attempt.timeline.peak_bytes <= budget:
@@ -289,8 +287,7 @@ class Replanner:
         return None, solve_s
 
     def least_peak(self) -> _Attempt:
-        return _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs, self.options,
-                                   self.offload_on_host)[0]
+        return _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs, self.options)[0]
 
     def options_between(self, count: int, time_limit_s: float) -> list[tuple[int, int, float, ActivationSolution]]:
         """(own peak, held bytes, added time, decisions) of the keep-all plan, the least-peak plan
@@ -329,7 +326,7 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
         return ActivationSolution(*plan, peak, added, "fallback" if peak <= target else "infeasible", 0.0, 0.0)
 
 
-def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_host) -> tuple[_Attempt, float]:
+def _least_peak_attempt(joint, analysis, num_fwd_outputs, options) -> tuple[_Attempt, float]:
     """The plan with the least peak we can find (deterministically): min-peak under the model, or
     recompute-everything-possible if its rewritten graphs peak lower (the model approximates
     conversion and recompute scratch; the check is exact)."""
@@ -337,7 +334,7 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_ho
     least = solve_cached(solve_min_peak, problem, time_limit_s=options.time_limit_s,
                          workers=options.workers, seed=options.seed)
     fuse = _runs_under_inductor(options)
-    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, offload_on_host, fuse)
+    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse)
     others = [close_decisions(problem, prefer_recompute=set(range(len(problem.names))))]
     if problem.store_choices:
         # Store choices enlarge the model; within the same deterministic time its search can end
@@ -352,8 +349,7 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, offload_on_ho
             continue
         peak, added = evaluate(problem, *decisions)
         other = _rewrite_and_check(joint, analysis, ActivationSolution(*decisions, peak, added, least.status,
-                                                                       0.0, 0.0), num_fwd_outputs, offload_on_host,
-                                   fuse)
+                                                                       0.0, 0.0), num_fwd_outputs, fuse)
         if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
             attempt = other
     return attempt, least.solve_s

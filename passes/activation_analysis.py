@@ -7,6 +7,7 @@ AOTAutograd runs them; recomputed nodes are slotted in just before their first b
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from memcompile.passes.graph_facts import (
 )
 from memcompile.passes.liveness import OP_SCRATCH_BYTES
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, store_choices_for
-from memcompile.solver.activations import ActivationProblem
+from memcompile.solver.activations import ActivationProblem, StoreChoice
 
 NEVER = -1
 log = logging.getLogger("memcompile")
@@ -115,6 +116,28 @@ def _recompute_cost_s(unit: fx.Node, profile: DeviceProfile) -> float | None:
         return float(estimate_node_time_s(unit, profile))
     except Exception:  # noqa: BLE001 - an op the cost model does not know must not fail the compile
         return None
+
+
+def _with_transfer_window(choice: StoreChoice, created: int, forward_end: int, first_read: int,
+                          forward_nodes: tuple, step_time_s: list[float]) -> StoreChoice:
+    """An offload's copy windows on the step grid: the device copy is held until the copy out
+    has had the forward compute after its producer to run behind (release step, never before
+    its last forward reader), and the reload is issued early enough that the backward compute
+    before its first reader covers it (prefetch steps). Each copy is timed alone: copies
+    queued behind others finish later than this, which costs time (the link term), not memory."""
+    if choice.kind != "offload":
+        return choice
+    release, overlapped = created, 0.0
+    last_forward = len(forward_nodes) - 1
+    while overlapped < choice.link_s and release < last_forward:
+        release += 1
+        overlapped += step_time_s[release]
+    prefetch, overlapped = 0, 0.0
+    backward_start = len(forward_nodes)
+    while overlapped < choice.link_s and first_read - prefetch - 1 >= backward_start:
+        prefetch += 1
+        overlapped += step_time_s[first_read - prefetch]
+    return dataclasses.replace(choice, release_step=max(release, forward_end), prefetch_steps=prefetch)
 
 
 def analyze_joint_graph(
@@ -247,6 +270,9 @@ def analyze_joint_graph(
             end = fw_last_read.get(n, NEVER)
             add(size, step[n], max(end, step[n]), by_node=True)
 
+    # Estimated run time of each step's node: how long an offload copy overlaps compute.
+    step_time_s = [estimate_node_time_s(n, profile) if (n in required_fw or n in bw_set) else 0.0
+                   for n in forward_nodes + backward_nodes] if store.offload else [0.0] * num_steps
     store_choices, created_at, not_stored, must_be_exact = [], [], [], []
     names, nbytes, costs, can_keep, can_recompute, bans, keep_bans = [], [], [], [], [], [], []
     first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
@@ -311,6 +337,8 @@ def analyze_joint_graph(
         created_at.append(step[c])
         if can_keep[-1] and keep_from[-1] < num_steps:  # held across the gap: other forms may apply
             choices, why = store_choices_for(c, own_bytes, profile, store)
+            choices = tuple(_with_transfer_window(ch, step[c], fw_end, bw_first_read.get(c, num_steps),
+                                                  forward_nodes, step_time_s) for ch in choices)
         else:
             choices, why = (), ""
         store_choices.append(choices)
@@ -339,6 +367,8 @@ def analyze_joint_graph(
         store_choices=tuple(store_choices) if any(store_choices) else (),
         created_at=tuple(created_at) if any(store_choices) else (),
         must_be_exact=tuple(must_be_exact) if any(store_choices) and any(must_be_exact) else (),
+        forward_compute_s=sum(step_time_s[:backward_start]),
+        backward_compute_s=sum(step_time_s[backward_start:]),
     )
     return JointAnalysis(
         problem=problem,

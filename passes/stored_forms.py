@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.solver.activations import StoreChoice
+from memcompile.transfer_ops import COPY_TO_DEVICE, COPY_TO_HOST, WAIT_COPY
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -142,9 +143,10 @@ def store_choices_for(
                                    store_transient_bytes=store_scratch, load_transient_bytes=load_scratch))
     if options.offload:
         link = options.host_link_bytes_per_s or profile.host_link_bytes_per_s or profile.memory_bytes_per_s
-        # Synchronous copies (out in forward, back in backward): nothing hides them yet.
-        transfer_s = nbytes / link
-        choices.append(StoreChoice("offload", "host", 0, 2 * transfer_s + 2 * profile.op_overhead_s))
+        # Asynchronous copies (passes/partition.py): each direction costs two op launches; the
+        # transfer itself is paid only where it outlasts the compute it overlaps (the solver's
+        # link term), and the analysis sets how long the copies stay in flight.
+        choices.append(StoreChoice("offload", "host", 0, 4 * profile.op_overhead_s, link_s=nbytes / link))
     return tuple(choices), "; ".join(reasons)
 
 
@@ -158,13 +160,9 @@ def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, name
     return node
 
 
-def build_store(graph: fx.Graph, x: fx.Node, choice: StoreChoice, on_host: bool) -> list[fx.Node]:
-    """Forward ops turning x into its stored form; returns the nodes to save for backward."""
+def build_store(graph: fx.Graph, x: fx.Node, choice: StoreChoice) -> list[fx.Node]:
+    """Forward ops turning x into its quantized form; returns the nodes to save for backward."""
     val = x.meta["val"]
-    if choice.kind == "offload":
-        if on_host:  # test switch on CPU: a plain copy standing in for the host copy
-            return [_call(graph, aten.clone.default, (x,), name=f"{HOST_PREFIX}{x.name}")]
-        return [_call(graph, prims.device_put.default, (x, torch.device("cpu")), name=f"{HOST_PREFIX}{x.name}")]
     if choice.format == "bf16":
         return [_call(graph, prims.convert_element_type.default, (x, torch.bfloat16), name=f"{x.name}_bf16")]
     dims = _group_dims(val.shape)
@@ -185,10 +183,8 @@ def build_store(graph: fx.Graph, x: fx.Node, choice: StoreChoice, on_host: bool)
 
 
 def build_load(graph: fx.Graph, stored: list[fx.Node], x: fx.Node, choice: StoreChoice) -> fx.Node:
-    """Backward ops turning the stored form back into a tensor like x."""
+    """Backward ops turning the quantized form back into a tensor like x."""
     val = x.meta["val"]
-    if choice.kind == "offload":
-        return _call(graph, prims.device_put.default, (stored[0], val.device), name=f"{x.name}_reloaded")
     if choice.format == "bf16":
         return _call(graph, prims.convert_element_type.default, (stored[0], val.dtype), name=f"{x.name}_dequant")
     q, scale = stored
@@ -199,3 +195,40 @@ def build_load(graph: fx.Graph, stored: list[fx.Node], x: fx.Node, choice: Store
         return _call(graph, aten.mul.Tensor, (wide, scale), name=f"{x.name}_dequant")
     restored = _call(graph, aten.mul.Tensor, (wide, scale))
     return _call(graph, prims.convert_element_type.default, (restored, val.dtype), name=f"{x.name}_dequant")
+
+
+def build_offload(graph: fx.Graph, x: fx.Node, wait_after: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Forward: the copy to host right after x, and its wait after `wait_after` (x's last forward
+    reader or later, while the copy is in flight). Returns (copy, wait); the wait is saved."""
+    with graph.inserting_before(x.next):
+        copy = _call(graph, COPY_TO_HOST, (x,), name=f"{HOST_PREFIX}{x.name}_copy")
+    if wait_after is x:
+        wait_after = copy
+    with graph.inserting_after(wait_after):
+        wait = _call(graph, WAIT_COPY, (copy, x), name=f"{HOST_PREFIX}{x.name}")
+    return copy, wait
+
+
+def build_reload(graph: fx.Graph, host: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Backward: the copy back to x's device and layout, and its wait. Returns (copy, wait); the
+    copy is moved earlier once the backward's order is final (`issue_reloads_early`)."""
+    val = x.meta["val"]
+    copy = _call(graph, COPY_TO_DEVICE, (host, val.device, list(val.size()), list(val.stride())),
+                 name=f"{x.name}_reload")
+    return copy, _call(graph, WAIT_COPY, (copy,), name=f"{x.name}_reloaded")
+
+
+def issue_reloads_early(bw: fx.GraphModule, anchors: dict[str, str]) -> None:
+    """Move each reload copy (by name) to just before its anchor node, when the anchor runs
+    earlier: the copy then overlaps the backward between the two (prefetch)."""
+    nodes = {n.name: n for n in bw.graph.nodes}
+    order = {n: k for k, n in enumerate(bw.graph.nodes)}
+    for copy_name, anchor_name in anchors.items():
+        copy, anchor = nodes.get(copy_name), nodes.get(anchor_name)
+        if copy is None or anchor is None or order[anchor] >= order[copy]:
+            continue
+        if any(order[i] >= order[anchor] for i in copy.all_input_nodes):
+            continue
+        anchor.prepend(copy)
+    bw.graph.lint()
+    bw.recompile()

@@ -1,0 +1,29 @@
+#!/bin/bash
+# The device check as one command (benchmarks/gpu_check.py on a lent CUDA machine): installs the
+# package and OR-Tools from carried wheels (.whl, no network there), then runs the check.
+# Usage there: bash benchmarks/gpu_run.sh   (writes $OUT/gpu_check.jsonl and $OUT/log.txt)
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+# The installed layout (pyproject's package-dir) without a build: passes/ and cost_models/ live
+# inside the memcompile package.
+rm -rf /tmp/mc && mkdir -p /tmp/mc && cp -r memcompile /tmp/mc/ && cp -r passes /tmp/mc/memcompile/passes \
+  && cp -r cost_models /tmp/mc/memcompile/cost_models || exit 1
+export PYTHONPATH=/tmp/mc:/tmp/site
+(cd /tmp && python3 -c "import torch, ortools, memcompile; print('torch', torch.__version__, 'ortools', ortools.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', memcompile.__file__)")
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+run() {  # run NAME SECONDS ARGS...: one gpu_check invocation, its rows and log under $OUT/NAME
+  local name=$1 seconds=$2; shift 2
+  mkdir -p "$OUT/$name"
+  timeout "$seconds" python3 benchmarks/gpu_check.py --out "$OUT/$name" "$@" 2>&1 \
+    | tee "$OUT/$name/log.txt" | grep -v "^W1\|UserWarning\|warnings.warn\|^    \|^graph():"
+}
+# bf16 GPT: every variant; the async offload check first.
+run bf16 "${T1:-260}" --blocks "${BLOCKS:-4}"
+# float32 with float32 matmuls at full precision: compute slow enough for offload to pay.
+run fp32 "${T2:-110}" --blocks "${BLOCKS:-4}" --dtype float32 --variants "recompute only,+ offload" --skip-offload-check
+# The opt-in fusion-aware check (passes/fusion.py) on CUDA: measured <= predicted?
+MEMCOMPILE_FUSION_CHECK=1 run fusion "${T3:-110}" --blocks "${BLOCKS:-4}" --variants "recompute only,+ int8" --skip-offload-check
