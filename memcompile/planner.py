@@ -62,8 +62,8 @@ def _device_of(joint_inputs) -> str:
 
 
 def _store_options(options: Options, device: str) -> StoreOptions:
-    """What the solver may offer besides keep/recompute. Offload by default only where the device
-    has memory of its own; forced on elsewhere (a test switch) its copies stay in that memory."""
+    """What the solver may offer besides keep/recompute. Offload (opt-in) with "auto" only where
+    the device has memory of its own; forced on elsewhere (a test switch) its copies stay there."""
     has_own_memory = device.startswith(("cuda", "xpu"))
     offload = has_own_memory if options.offload is None else options.offload
     link = (options.host_link_gbps or 0.0) * 1e9

@@ -10,7 +10,10 @@ An offloaded activation takes four ops in the rewritten graphs:
 
 `wait_copy` returns its input (an alias, declared in its schema), so the compilers keep every
 reader after it; its `keepalive` argument keeps the source of an in-flight copy from being freed
-(Inductor frees a buffer after its last reader) without `record_stream`.
+(Inductor frees a buffer after its last reader) without `record_stream`. Compilers order ops by
+data alone (Inductor ran a forward wait right after its copy, which stalls the compute stream
+until the copy ends), so `after` (ignored when run) pins a reload or a wait behind the tensor
+the rewrite placed it after.
 
 On CUDA the copies run on one transfer stream per device, so a reload is also ordered after the
 offload of the same tensor. Elsewhere (the CPU test switch `offload=True`) the same ops are plain
@@ -18,6 +21,8 @@ synchronous copies, so the rewrite is tested here with the graphs the GPU runs.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -62,7 +67,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("memcompile::copy_to_device", mutates_args=())
-def copy_to_device(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int]) -> torch.Tensor:
+def copy_to_device(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+                   after: Optional[torch.Tensor] = None) -> torch.Tensor:
     # Allocated on the compute stream (the allocator's ownership stays simple); the transfer
     # stream first waits for the compute stream, so earlier users of this memory are done.
     out = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
@@ -74,15 +80,17 @@ def copy_to_device(host: torch.Tensor, device: torch.device, size: list[int], st
 
 
 @copy_to_device.register_fake
-def _(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int]) -> torch.Tensor:
+def _(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+      after: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
 
 
 _library = torch.library.Library("memcompile", "FRAGMENT")
-_library.define("wait_copy(Tensor(a) copied, Tensor? keepalive=None) -> Tensor(a)")
+_library.define("wait_copy(Tensor(a) copied, Tensor? keepalive=None, Tensor? after=None) -> Tensor(a)")
 
 
-def _wait_copy(copied: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+def _wait_copy(copied: torch.Tensor, keepalive: torch.Tensor | None = None,
+               after: torch.Tensor | None = None) -> torch.Tensor:
     done = _in_flight.pop(copied.data_ptr(), None)
     if done is not None:  # a CUDA copy: one side of it is on the device
         device = copied.device if copied.is_cuda else keepalive.device
@@ -91,7 +99,7 @@ def _wait_copy(copied: torch.Tensor, keepalive: torch.Tensor | None = None) -> t
 
 
 torch.library.impl(_library, "wait_copy", "CompositeExplicitAutograd")(_wait_copy)
-torch.library.register_fake("memcompile::wait_copy", lib=_library)(lambda copied, keepalive=None: copied)
+torch.library.register_fake("memcompile::wait_copy", lib=_library)(lambda copied, keepalive=None, after=None: copied)
 # Nothing reads what wait_copy does to the streams: without this, dead-code elimination could drop it.
 torch.fx.node.has_side_effect(torch.ops.memcompile.wait_copy.default)
 

@@ -31,7 +31,7 @@ from memcompile.passes.graph_facts import (
     tensor_nbytes,
 )
 from memcompile.passes.liveness import OP_SCRATCH_BYTES
-from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, store_choices_for
+from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for
 from memcompile.solver.activations import ActivationProblem, StoreChoice
 
 NEVER = -1
@@ -119,12 +119,14 @@ def _recompute_cost_s(unit: fx.Node, profile: DeviceProfile) -> float | None:
 
 
 def _with_transfer_window(choice: StoreChoice, created: int, forward_end: int, first_read: int,
-                          forward_nodes: tuple, step_time_s: list[float]) -> StoreChoice:
+                          forward_nodes: tuple, step_time_s: list[float], can_pin: list[bool]) -> StoreChoice:
     """An offload's copy windows on the step grid: the device copy is held until the copy out
-    has had the forward compute after its producer to run behind (release step, never before
-    its last forward reader), and the reload is issued early enough that the backward compute
-    before its first reader covers it (prefetch steps). Each copy is timed alone: copies
-    queued behind others finish later than this, which costs time (the link term), not memory."""
+    has had the forward compute after its producer to run behind, never before its last forward
+    reader, and up to a node the wait can depend on (`can_pin`: materialised, in the forward)
+    so compilers keep it there (release step; -1 where none: the wait follows the last reader);
+    the reload is issued early enough that the backward compute before its first reader covers
+    it (prefetch steps). Each copy is timed alone: copies queued behind others finish later
+    than this, which costs time (the link term), not memory."""
     if choice.kind != "offload":
         return choice
     release, overlapped = created, 0.0
@@ -132,12 +134,16 @@ def _with_transfer_window(choice: StoreChoice, created: int, forward_end: int, f
     while overlapped < choice.link_s and release < last_forward:
         release += 1
         overlapped += step_time_s[release]
+    release = max(release, forward_end)
+    while release <= last_forward and not can_pin[release]:
+        release += 1
     prefetch, overlapped = 0, 0.0
     backward_start = len(forward_nodes)
     while overlapped < choice.link_s and first_read - prefetch - 1 >= backward_start:
         prefetch += 1
         overlapped += step_time_s[first_read - prefetch]
-    return dataclasses.replace(choice, release_step=max(release, forward_end), prefetch_steps=prefetch)
+    return dataclasses.replace(choice, release_step=release if release <= last_forward else -1,
+                               prefetch_steps=prefetch)
 
 
 def analyze_joint_graph(
@@ -273,6 +279,7 @@ def analyze_joint_graph(
     # Estimated run time of each step's node: how long an offload copy overlaps compute.
     step_time_s = [estimate_node_time_s(n, profile) if (n in required_fw or n in bw_set) else 0.0
                    for n in forward_nodes + backward_nodes] if store.offload else [0.0] * num_steps
+    can_pin = [n in required_fw and is_materialised(n) for n in forward_nodes] if store.offload else []
     store_choices, created_at, not_stored, must_be_exact = [], [], [], []
     names, nbytes, costs, can_keep, can_recompute, bans, keep_bans = [], [], [], [], [], [], []
     first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
@@ -338,7 +345,7 @@ def analyze_joint_graph(
         if can_keep[-1] and keep_from[-1] < num_steps:  # held across the gap: other forms may apply
             choices, why = store_choices_for(c, own_bytes, profile, store)
             choices = tuple(_with_transfer_window(ch, step[c], fw_end, bw_first_read.get(c, num_steps),
-                                                  forward_nodes, step_time_s) for ch in choices)
+                                                  forward_nodes, step_time_s, can_pin) for ch in choices)
         else:
             choices, why = (), ""
         store_choices.append(choices)

@@ -14,7 +14,9 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile.passes.activation_analysis import JointAnalysis, compute_unit
-from memcompile.passes.stored_forms import build_load, build_offload, build_reload, build_store, issue_reloads_early
+from memcompile.passes.stored_forms import (
+    build_load, build_offload, build_reload, build_store, issue_reloads_early, pin_reload_order,
+)
 from memcompile.solver.activations import NOTHING_STORED, Stored, placement, reload_step
 
 
@@ -40,8 +42,9 @@ def apply_plan(
     fw, bw = tp.extract_forward_backward(
         joint, saved_values, saved_sym, num_fwd_outputs, set(analysis.static_lifetime_inputs)
     )
-    if reload_anchors:  # the backward's order is final now: prefetch the reloads
+    if reload_anchors:  # the graphs' order is final now: prefetch the reloads, pin the transfers
         issue_reloads_early(bw, reload_anchors)
+        pin_reload_order(bw)
     return fw, bw
 
 
@@ -106,9 +109,10 @@ def _insert_stored_forms(joint, analysis: JointAnalysis, recompute: frozenset[in
             # The copy starts right after the producer; x stays on the device until the copy's
             # wait, after its last forward reader or the solver's release step if later.
             last_reader = max((u for u in x.users if u in forward_set), key=fw_position.__getitem__, default=x)
+            # The analysis makes the release step's node a materialised forward node (or -1).
             release = step_node[choice.release_step] if choice.release_step >= 0 else x
             wait_after = max((last_reader, release, x), key=fw_position.__getitem__)
-            _, host = build_offload(graph, x, wait_after)
+            _, host = build_offload(graph, x, wait_after, pinned=wait_after is release and release is not x)
             saved_forms.append(host)
             with graph.inserting_before(first_backward):
                 copy, loaded[x] = build_reload(graph, host, x)

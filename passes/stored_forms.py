@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from memcompile.cost_models.device import DeviceProfile
+from memcompile.passes.graph_facts import is_aliasing_op, is_getitem, is_pointwise
 from memcompile.solver.activations import StoreChoice
 from memcompile.transfer_ops import COPY_TO_DEVICE, COPY_TO_HOST, WAIT_COPY
 
@@ -197,25 +198,65 @@ def build_load(graph: fx.Graph, stored: list[fx.Node], x: fx.Node, choice: Store
     return _call(graph, prims.convert_element_type.default, (restored, val.dtype), name=f"{x.name}_dequant")
 
 
-def build_offload(graph: fx.Graph, x: fx.Node, wait_after: fx.Node) -> tuple[fx.Node, fx.Node]:
+def build_offload(graph: fx.Graph, x: fx.Node, wait_after: fx.Node, pinned: bool) -> tuple[fx.Node, fx.Node]:
     """Forward: the copy to host right after x, and its wait after `wait_after` (x's last forward
-    reader or later, while the copy is in flight). Returns (copy, wait); the wait is saved."""
+    reader or later, while the copy is in flight); `pinned`: the wait depends on `wait_after`
+    (a materialised forward node) so no compiler runs it earlier. Returns (copy, wait); the wait
+    is saved."""
     with graph.inserting_before(x.next):
         copy = _call(graph, COPY_TO_HOST, (x,), name=f"{HOST_PREFIX}{x.name}_copy")
     if wait_after is x:
         wait_after = copy
     with graph.inserting_after(wait_after):
-        wait = _call(graph, WAIT_COPY, (copy, x), name=f"{HOST_PREFIX}{x.name}")
+        wait = _call(graph, WAIT_COPY, (copy, x, wait_after if pinned else None), name=f"{HOST_PREFIX}{x.name}")
     return copy, wait
+
+
+# How far back an ordering dependency is looked for (nodes).
+_PIN_SEARCH = 32
+
+
+def is_materialised(node: fx.Node) -> bool:
+    """A compute node compilers put in a buffer of its own anyway (not pointwise, not a view: a
+    matmul, a reduction, a library kernel) yielding a tensor: safe for a transfer op to depend on
+    for its order (a pointwise node would be forced out of its fused kernel). Transfers are not
+    used: each copy's one reader stays its wait."""
+    return (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
+            and node.target not in (COPY_TO_HOST, COPY_TO_DEVICE, WAIT_COPY)
+            and not is_pointwise(node) and not is_aliasing_op(node) and not is_getitem(node))
+
+
+def ordering_dependency(start: fx.Node, exclude: tuple = ()) -> fx.Node | None:
+    """The nearest materialised node at or before `start`: a transfer op reading it as `after`
+    runs no earlier."""
+    node = start
+    for _ in range(_PIN_SEARCH):
+        if node.op in ("root", "placeholder"):
+            return None
+        if node not in exclude and is_materialised(node):
+            return node
+        node = node.prev
+    return None
+
+
+def pin_reload_order(bw: fx.GraphModule) -> None:
+    """Set each reload's and its wait's `after` (their last argument) to the materialised node
+    before them in the backward, whose order is final: Inductor keeps them at least that late
+    (it hoists ops that read only inputs otherwise)."""
+    for node in bw.graph.nodes:
+        if node.target is COPY_TO_DEVICE or (node.target is WAIT_COPY and node.args[0].target is COPY_TO_DEVICE):
+            node.args = (*node.args[:-1], ordering_dependency(node.prev, exclude=tuple(node.all_input_nodes)))
+    bw.graph.lint()
+    bw.recompile()
 
 
 def build_reload(graph: fx.Graph, host: fx.Node, x: fx.Node) -> tuple[fx.Node, fx.Node]:
     """Backward: the copy back to x's device and layout, and its wait. Returns (copy, wait); the
     copy is moved earlier once the backward's order is final (`issue_reloads_early`)."""
     val = x.meta["val"]
-    copy = _call(graph, COPY_TO_DEVICE, (host, val.device, list(val.size()), list(val.stride())),
+    copy = _call(graph, COPY_TO_DEVICE, (host, val.device, list(val.size()), list(val.stride()), None),
                  name=f"{x.name}_reload")
-    return copy, _call(graph, WAIT_COPY, (copy,), name=f"{x.name}_reloaded")
+    return copy, _call(graph, WAIT_COPY, (copy, None, None), name=f"{x.name}_reloaded")
 
 
 def issue_reloads_early(bw: fx.GraphModule, anchors: dict[str, str]) -> None:
@@ -225,10 +266,10 @@ def issue_reloads_early(bw: fx.GraphModule, anchors: dict[str, str]) -> None:
     order = {n: k for k, n in enumerate(bw.graph.nodes)}
     for copy_name, anchor_name in anchors.items():
         copy, anchor = nodes.get(copy_name), nodes.get(anchor_name)
-        if copy is None or anchor is None or order[anchor] >= order[copy]:
+        if copy is None:
             continue
-        if any(order[i] >= order[anchor] for i in copy.all_input_nodes):
-            continue
-        anchor.prepend(copy)
+        if anchor is not None and order[anchor] < order[copy] \
+                and not any(order[i] >= order[anchor] for i in copy.all_input_nodes):
+            anchor.prepend(copy)
     bw.graph.lint()
     bw.recompile()

@@ -255,14 +255,17 @@ def test_offload_rewrite_is_exact_and_its_copies_run_behind_compute(depth, codeg
     x = torch.randn(512, 64)  # 128 KiB activations: above the store threshold
     rewrites = _offload_rewrites(model, x, monkeypatch, codegen)  # Inductor: our ops as its fallback kernels
     assert rewrites
-    prefetched = 0
+    prefetched = pinned_waits = pinned_reloads = 0
     for fw, bw in rewrites:
         order = {n: k for k, n in enumerate(fw.graph.nodes)}
         saved = set(fw.graph.find_nodes(op="output")[0].args[0])
         for copy in fw.graph.find_nodes(op="call_function", target=transfer_ops.COPY_TO_HOST):
             source = copy.args[0]
-            (wait,) = [u for u in copy.users if u.target is transfer_ops.WAIT_COPY]
-            assert wait.args[1] is source  # keepalive
+            (wait,) = copy.users
+            assert wait.target is transfer_ops.WAIT_COPY and wait.args[1] is source  # keepalive
+            after = wait.args[2]  # the ordering dependency, when there is one: a node before the wait
+            assert after is None or order[after] < order[wait]
+            pinned_waits += after is not None
             assert all(order[u] <= order[wait] for u in source.users)
             assert wait in saved and copy not in saved
         order = {n: k for k, n in enumerate(bw.graph.nodes)}
@@ -270,8 +273,11 @@ def test_offload_rewrite_is_exact_and_its_copies_run_behind_compute(depth, codeg
             (wait,) = copy.users
             assert wait.target is transfer_ops.WAIT_COPY
             assert all(order[u] > order[wait] for u in wait.users)
+            for op in (copy, wait):  # pinned behind a computed node before it
+                assert op.args[-1] is None or order[op.args[-1]] < order[op]
+            pinned_reloads += copy.args[-1] is not None
             prefetched += order[wait] - order[copy] > 1
-    assert prefetched > 0
+    assert prefetched > 0 and pinned_waits > 0 and pinned_reloads > 0
     assert transfer_ops.copies_in_flight() == 0
 
 
