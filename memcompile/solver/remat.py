@@ -21,11 +21,14 @@ cumulative's load at that stage: the model's memory accounting is exact for what
 Because C and the stage grid restrict the schedules, the CP-SAT bound is a lower bound on cost
 *within this formulation*; small graphs get a grid fine enough to contain the optimal schedules.
 The reported `lower_bound` is the larger of that and `proven_cost_bound`, which holds for every
-schedule (per-stage knapsack, and a CP-SAT "stage-closure" model on the worst first computations).
+schedule (per-stage knapsack, an LP covering all over-budget first computations with one
+recomputation per window between a tensor's readers, and a CP-SAT "stage-closure" model on the
+worst first computations).
 CP-SAT runs in two phases (`_two_phase_solve`): a short one with objective lower-bound search
 (proves the Checkmate graphs fast), then default search warm-started from its best solution.
 Models with more than `_LARGE_MODEL` input-cover literals skip CP-SAT (building and presolving
-alone took ~15 s at 1000 nodes): greedy variants, then a repair search (`_improve_by_repair`).
+alone took ~15 s at 1000 nodes): greedy variants, then a repair search (`_improve_by_repair`),
+then CP-SAT on small windows of the model with everything else fixed (`_improve_by_windows`).
 When the stage grid yields no schedule (near the least peak, where recomputation chains must be
 freed inside a stage), `remat_events` schedules event by event with eviction instead.
 """
@@ -892,9 +895,10 @@ def _improve_by_windows(
     slot_vars = {
         var.Index() for slots in rm.slots for slot in slots for var in (slot.start, slot.end) if not isinstance(var, int)
     }
-    rounds = 0
-    while tight and deadline - time.monotonic() > _WINDOW_MIN_S:
+    rounds = stale = 0
+    while tight and deadline - time.monotonic() > _WINDOW_MIN_S and stale < _WINDOW_PATIENCE:
         rounds += 1
+        stale += 1
         centre = rng.choice(tight)
         width = rng.randint(_WINDOW_WIDTH[0], _WINDOW_WIDTH[1]) * grid.substeps
         lo, hi = centre - width, centre + width
@@ -935,7 +939,7 @@ def _improve_by_windows(
         cost = _plan_cost(problem, found)
         loads = _stage_loads(problem, _intervals_from_computes(problem, found), grid.horizon)
         if cost < best_cost - 1e-9 and max(loads, default=0) <= capacity:
-            best, best_cost = found, cost
+            best, best_cost, stale = found, cost, 0
     return best
 
 
@@ -1088,6 +1092,7 @@ _WINDOW_WIDTH = (0, 4)
 _WINDOW_SLICE_S = 2.0
 _WINDOW_MIN_S = 0.5
 _WINDOW_NODES = 40
+_WINDOW_PATIENCE = 30  # rounds in a row without a cheaper plan
 
 
 def _cover_literals(problem: RematProblem, grid: _Grid) -> int:
