@@ -1087,7 +1087,7 @@ _LARGE_MODEL = 8_000
 
 _PHASE1_PARAMS = {"use_objective_lb_search": True}
 # CP-SAT window search (`_improve_by_windows`): half-width of the stage window in nodes, seconds
-# per round, and the least time worth starting a round with.
+# per round, the least time worth starting a round with, nodes freed by a node round.
 _WINDOW_WIDTH = (0, 4)
 _WINDOW_SLICE_S = 2.0
 _WINDOW_MIN_S = 0.5
