@@ -464,7 +464,11 @@ def test_eviction_schedules_are_valid_and_never_beat_brute_force(p: RematProblem
     p0, _ = replay(p, baseline_schedule(p))
     min_peak = brute_force_min_peak(p, p0)
     budget = data.draw(st.sampled_from([min_peak - 1, min_peak, min_peak + 1, (min_peak + p0) // 2, p0]))
-    weights = EvictionWeights(data.draw(st.sampled_from([1.0, 2.0])), data.draw(st.sampled_from([1.0, 2.0])))
+    weights = EvictionWeights(
+        data.draw(st.sampled_from([1.0, 2.0])),
+        data.draw(st.sampled_from([1.0, 2.0])),
+        recency_power=data.draw(st.sampled_from([0.0, 0.5, 1.0])),
+    )
     schedule = eviction_schedule(p, budget, weights, time.monotonic() + 5)
     optimum = brute_force_min_cost(p, budget)
     event("no schedule" if schedule is None else "schedule")
