@@ -23,6 +23,7 @@ from memcompile.solver.remat import (
     peak_lower_bound,
     problem_from_networkx,
     proven_cost_bound,
+    segment_cover_bound,
 )
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "remat_graphs"
@@ -195,6 +196,42 @@ def test_proven_cost_bound_never_exceeds_the_true_optimum(p: RematProblem, data)
         assert optimum is None  # "no schedule fits" must be true
     elif optimum is not None:
         assert c0 - 1e-9 <= bound <= optimum + 1e-9
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(skip_chains(max_n=8), skip_chains(max_n=8), dags(max_n=7, pinned=True), dags(min_n=5, max_n=8)), data=st.data())
+def test_segment_cover_bound_never_exceeds_the_true_optimum(p: RematProblem, data) -> None:
+    # Valid for every schedule (exhaustive search), never weaker than one first computation alone.
+    p0, c0 = replay(p, baseline_schedule(p))
+    min_peak = brute_force_min_peak(p, p0)
+    # Mostly tight budgets (recomputation needed), some anywhere up to P0, a few with no schedule.
+    tight = st.sampled_from([min_peak, min_peak, min_peak + 1, min_peak + 2, min_peak - 1])
+    budget = data.draw(st.one_of(tight, st.integers(min_peak, p0)), label="budget")
+    optimum = brute_force_min_cost(p, budget)
+    bound = segment_cover_bound(p, budget)
+    knapsack = first_compute_cost_bound(p, budget)
+    event("no schedule" if optimum is None else "recomputes" if optimum > c0 else "no recompute")
+    if bound > knapsack + 1e-6:
+        event("cover bound above knapsack bound")
+    if math.isinf(bound):
+        assert optimum is None
+        return
+    assert bound >= knapsack - 1e-6 and bound >= c0 - 1e-9
+    if optimum is not None:
+        assert bound <= optimum + 1e-9
+
+
+def test_segment_cover_bound_charges_a_whole_recomputation() -> None:
+    # Chain 0->1->2->3->4, node 4 also reads 0 and 1; sizes 9,1,7,1,4; budget 16.
+    # First computing 2 holds 1 and 2 (8 bytes) and the idle 0 (9): 17 > 16, and computing 3
+    # holds 2, 3, 0 and 1: 18. Only dropping 0 relieves either, so 0 is computed again before 4
+    # (cost 2): optimum 8 + 2. The per-computation knapsack may drop 2/9 of 0 (8 + 4/9).
+    p = RematProblem(tuple("abcde"), ((), (0,), (1,), (2,), (0, 1, 3)), (2, 1, 1, 3, 1), (9, 1, 7, 1, 4))
+    assert brute_force_min_cost(p, 16) == 10
+    assert first_compute_cost_bound(p, 16) < 9
+    assert segment_cover_bound(p, 16) == pytest.approx(10)
+    assert proven_cost_bound(p, 16) == pytest.approx(10)
+    assert math.isinf(segment_cover_bound(p, 14))  # first computing 4 holds 15 bytes
 
 
 @given(p=dags(max_n=8))
@@ -382,7 +419,7 @@ def test_large_model_path_gives_valid_schedules_above_the_proven_bound(p: RematP
     assert c0 - 1e-9 <= result.proven_lower_bound <= cost + 1e-9
 
 
-def test_repair_search_never_makes_a_plan_worse_or_overfull() -> None:
+def test_repair_and_window_searches_never_make_a_plan_worse_or_overfull() -> None:
     import time
 
     from memcompile.solver import remat as R
@@ -408,6 +445,10 @@ def test_repair_search_never_makes_a_plan_worse_or_overfull() -> None:
         intervals = R._intervals_from_computes(p, better)
         assert max(R._stage_loads(p, intervals, grid.horizon)) <= capacity
         assert replay(p, R._schedule_from_intervals(intervals))[0] <= capacity
+        windowed = R._improve_by_windows(p, grid, better, capacity, time.monotonic() + 1.5, seed=0, workers=1)
+        assert R._plan_cost(p, windowed) <= R._plan_cost(p, better)
+        intervals = R._intervals_from_computes(p, windowed)
+        assert replay(p, R._schedule_from_intervals(intervals))[0] <= capacity
 
 
 # ------------------------------------------------------------- event-level eviction schedules
@@ -423,7 +464,11 @@ def test_eviction_schedules_are_valid_and_never_beat_brute_force(p: RematProblem
     p0, _ = replay(p, baseline_schedule(p))
     min_peak = brute_force_min_peak(p, p0)
     budget = data.draw(st.sampled_from([min_peak - 1, min_peak, min_peak + 1, (min_peak + p0) // 2, p0]))
-    weights = EvictionWeights(data.draw(st.sampled_from([1.0, 2.0])), data.draw(st.sampled_from([1.0, 2.0])))
+    weights = EvictionWeights(
+        data.draw(st.sampled_from([1.0, 2.0])),
+        data.draw(st.sampled_from([1.0, 2.0])),
+        recency_power=data.draw(st.sampled_from([0.0, 0.5, 1.0])),
+    )
     schedule = eviction_schedule(p, budget, weights, time.monotonic() + 5)
     optimum = brute_force_min_cost(p, budget)
     event("no schedule" if schedule is None else "schedule")
