@@ -21,6 +21,8 @@ from memcompile.passes.graph_facts import (
     effective_reads,
     fusion_facts,
     graph_device_type,
+    kernel_workspace_bytes,
+    promotion_copy_bytes,
     wrapper_allocates,
     transient_bytes,
     is_aliasing_op,
@@ -407,8 +409,11 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     def record(phase: str, kernel: ScheduledKernel, graph: fx.GraphModule) -> None:
         transient = 0
         if kernel.extern_origin:
+            # The library call's own workspace. Not layout_copy_bytes: Inductor hands it the
+            # strides it accepts, realizing any copy as a buffer of its schedule (counted there);
+            # attention's backward given strided views measured 32 KiB of scratch, not copies.
             origin = _node_named(graph, kernel.extern_origin)
-            transient = transient_bytes(origin) if origin is not None else 0
+            transient = kernel_workspace_bytes(origin) + promotion_copy_bytes(origin) if origin is not None else 0
         scratch = OP_SCRATCH_BYTES + transient
         total = sum(s.nbytes for s in live.values()) + scratch
         steps.append(LiveStep(phase, kernel.name, total))
