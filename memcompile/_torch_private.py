@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -230,3 +231,148 @@ def inductor_post_grad_copy(gm: fx.GraphModule, is_inference: bool = False) -> f
     with torch.no_grad(), V.set_fake_mode(fake_mode):
         _recursive_post_grad_passes(copied, is_inference=is_inference)
     return copied
+
+
+def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
+    """Inductor's kernels for `gm` (a graph after its post-grad passes, see inductor_post_grad_copy)
+    in the order its wrapper runs them, as plain data (memcompile.passes.inductor_schedule):
+    lowering and scheduling (fusion, reordering for peak memory), no code generation."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import ir
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.dependencies import MemoryDep
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
+    from torch._inductor.virtualized import V
+
+    from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
+
+    example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(example)
+    graph = GraphLowering(gm, example_inputs=example, is_backward=is_backward)
+    if is_backward:
+        # AOTAutograd donates saved tensors to the backward (bw_donated_idxs), which may write
+        # over them; which ones is decided after partitioning: offer all but the tangents (the
+        # liveness never lets a result take a parameter's or an input's storage).
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        graph.bw_donated_idxs = [i for i, n in enumerate(placeholders)
+                                 if isinstance(n.meta.get("val"), torch.Tensor) and not _is_tangent(n)]
+    with DebugContext(), V.set_graph_handler(graph), V.set_fake_mode(fake_mode):
+        graph.run(*example)
+        graph.init_wrapper_code()
+        graph._update_scheduler()
+        hint = graph.sizevars.optimization_hint
+
+        def base_of(name: str, depth: int = 0) -> str:
+            """The buffer whose storage `name` uses (views into a concat, mutation results)."""
+            buf = graph.scheduler.name_to_buf.get(name)
+            if buf is None or depth > 32:
+                return name
+            node, layout = buf.node, buf.node.get_output_spec()
+            if isinstance(layout, ir.NonOwningLayout):
+                return base_of(layout.view.get_name(), depth + 1)
+            if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+                return base_of(layout.get_buffer().get_name(), depth + 1)
+            mutated = node.get_mutation_names()
+            if isinstance(node, ir.MutationOutput) and mutated:
+                return base_of(mutated[0], depth + 1)
+            return name
+
+        def nbytes(node) -> int:
+            return int(hint(graph.get_allocation_storage_size(node))) * node.get_dtype().itemsize
+
+        # Members of a multi-output library call (sdpa's outputs...) are allocated by the call.
+        members: dict[str, list[str]] = {}
+        for name, buf in graph.scheduler.name_to_buf.items():
+            if isinstance(buf.node, ir.MultiOutput) and buf.node.inputs:
+                members.setdefault(buf.node.inputs[0].get_name(), []).append(name)
+
+        def storages_read(names) -> list[str]:
+            out: list[str] = []
+            for name in names:
+                base = base_of(name)
+                out.extend(members.get(base, [base]))
+            return list(dict.fromkeys(out))
+
+        kernel_of = {sub.get_name(): i for i, sn in enumerate(graph.scheduler.nodes) for sub in sn.get_nodes()}
+        kernels = []
+        generated_kernels: set[int] = set()
+        for index, snode in enumerate(graph.scheduler.nodes):
+            outputs = [b.get_name() for b in snode.get_outputs()]
+            allocates = []
+            for name in outputs:
+                node = graph.scheduler.name_to_buf[name].node
+                layout = node.get_output_spec()
+                if base_of(name) != name or isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)):
+                    continue  # an alias, or a tuple whose members are counted below
+                if isinstance(node, ir.MultiOutput):
+                    continue  # allocated by its producer
+                allocates.append(ScheduledBuffer(name, nbytes(node), str(node.get_dtype())))
+            for name in outputs:
+                for member in members.get(name, ()):
+                    node = graph.scheduler.name_to_buf[member].node
+                    allocates.append(ScheduledBuffer(member, nbytes(node), str(node.get_dtype())))
+            deps = list(snode.read_writes.reads) + list(snode.read_writes.writes)
+            reads = [n for n in storages_read(d.name for d in deps) if n not in {b.name for b in allocates}]
+            if any(isinstance(graph.scheduler.name_to_buf[o].node, ir.MultiOutput) for o in outputs):
+                reads = storages_read(outputs) + reads  # the tuple holds every member until here
+            extern = isinstance(snode, ExternKernelSchedulerNode)
+            generated = not extern and not isinstance(snode, NopKernelSchedulerNode)
+            if generated:
+                generated_kernels.add(index)
+            candidates: list[tuple[str, str]] = []
+            if generated:
+                # Scheduler.decide_inplace_update: a result may be written over an input whose
+                # only use left is this very node (each node of a fused kernel is a use of its
+                # own), read there at the index written, by a kernel the wrapper allocates for.
+                allocated = {b.name for b in allocates}
+                for sub in snode.get_nodes():
+                    for out in sub.get_outputs():
+                        if out.get_name() not in allocated:
+                            continue
+                        for read in dict.fromkeys(d.name for d in sub.read_writes.reads):
+                            donor = graph.scheduler.name_to_donated_buffer.get(read) or \
+                                graph.scheduler.name_to_buf.get(read)
+                            if donor is None or donor.node is None or isinstance(
+                                    donor.node.get_output_spec(),
+                                    (ir.NoneLayout, ir.MultiOutputLayout, ir.MutationLayoutSHOULDREMOVE)):
+                                continue
+                            if isinstance(getattr(donor, "defining_op", None), NopKernelSchedulerNode):
+                                continue
+                            # uses by kernels run before, or by nodes this one depends on, are done
+                            remaining = [u for u in donor.users if not isinstance(u.node, BaseSchedulerNode)
+                                         or (kernel_of.get(u.node.get_name(), -1) >= index
+                                             and u.node.get_name() not in sub.ancestors)]
+                            if len(remaining) == 1 and remaining[0].node is sub and remaining[0].can_inplace:
+                                candidates.append((out.get_name(), base_of(read)))
+            node = snode.node
+            origin = getattr(node, "origin_node", None) if node is not None else None
+            if origin is None and outputs:
+                origin = getattr(graph.scheduler.name_to_buf[outputs[0]].node, "origin_node", None)
+            if extern and origin is None and node is not None:
+                # a library call returning a tuple: the FX node that calls the same op
+                op = getattr(node, "op_overload", None)
+                origin = next((o for o in node.origins if o.target is op), None) if op is not None else None
+            wrapper_allocates = generated or isinstance(snode, NopKernelSchedulerNode) or isinstance(
+                node, ir.ExternKernelOut)
+            kernels.append(ScheduledKernel(
+                index=index, name=origin.name if origin is not None else snode.get_name(),
+                allocates=tuple(allocates), reads=tuple(reads), in_place_candidates=tuple(candidates),
+                wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else ""))
+
+        outputs: list[str | None] = []
+        for value in graph.graph_outputs:
+            if isinstance(value, (ir.NoneAsConstantBuffer, ir.ShapeAsConstantBuffer)):
+                outputs.append(None)
+                continue
+            try:
+                outputs.append(base_of(value.get_name()))
+            except (AttributeError, NotImplementedError):
+                outputs.append(None)
+        # A generated kernel's result that no other kernel reads and the graph does not return is
+        # kept in registers: its code generation removes the buffer (remove_kernel_local_buffers).
+        read_elsewhere = {n for k in kernels for n in k.reads} | {o for o in outputs if o is not None}
+        kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
+                   if k.index in generated_kernels else k
+                   for k in kernels]
+    return InductorSchedule(tuple(kernels), tuple(outputs))

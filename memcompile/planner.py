@@ -26,7 +26,7 @@ from memcompile.passes.activation_analysis import (
     JointAnalysis,
     analyze_joint_graph,
 )
-from memcompile.passes.liveness import LivenessTimeline, analyze_liveness
+from memcompile.passes.liveness import LivenessTimeline, analyze_liveness, analyze_scheduled_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Decision, Plan, format_bytes
@@ -82,20 +82,22 @@ def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = 
     return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse))
 
 
-# The fusion-aware prediction (passes/fusion.py) decides only when MEMCOMPILE_FUSION_CHECK=1: it
-# was within [1.0, 1.3] of Inductor's measured peak on most models but fell 4-10% below it on
-# Llama plans at tight budgets (benchmarks/results/prediction_accuracy.md; cause not found yet),
-# so by default every node's result counts as a buffer, as before (above every measured peak).
-FUSION_CHECK_ALONE = os.environ.get("MEMCOMPILE_FUSION_CHECK", "") == "1"
+# Under Inductor the check predicts what Inductor's wrapper holds: its kernels in its order, with
+# the buffers it allocates (passes/inductor_schedule.py, passes/liveness.py
+# analyze_scheduled_liveness). MEMCOMPILE_FUSION_CHECK=0 turns it off: every FX node's result then
+# counts as a buffer, in graph order (above every peak we measured, by up to 1.45x).
+FUSION_CHECK = os.environ.get("MEMCOMPILE_FUSION_CHECK", "1") != "0"
 
 
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
-    """The liveness of the graphs as they will run. Under Inductor: of copies after Inductor's
-    post-grad passes (they move ops: `mm + add` becomes one addmm at the add, holding the mm's
-    inputs until then), with its fusion modelled (passes/fusion.py), when FUSION_CHECK_ALONE;
-    otherwise, or if those passes fail on a copy, every FX node counts as a buffer."""
+    """The liveness of the graphs as they will run. Under Inductor (when FUSION_CHECK): of copies
+    after Inductor's post-grad passes (they move ops: `mm + add` becomes one addmm at the add,
+    holding the mm's inputs until then), over the kernels Inductor's scheduler makes of them, in
+    its order (fusing nodes far apart runs them early; a fused kernel's results coexist); if
+    scheduling fails, the larger of graph order with fusion modelled (passes/fusion.py) and every
+    FX node a buffer; if the post-grad passes fail, or without Inductor, the latter."""
     unfused = analyze_liveness(fw, bw, num_fwd_outputs)
-    if not inductor or not FUSION_CHECK_ALONE:
+    if not inductor or not FUSION_CHECK:
         return unfused
     try:
         fw_seen, bw_seen = tp.inductor_post_grad_copy(fw), tp.inductor_post_grad_copy(bw)
@@ -103,7 +105,18 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
         log.warning("memcompile: Inductor's post-grad passes failed on a copy of the graphs (%s: %s); "
                     "predicting without fusion", type(error).__name__, error)
         return unfused
-    return analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True)
+    # The backward's placeholders keep the names the post-grad passes may change in the forward.
+    saved_names = tuple(a.name if isinstance(a, fx.Node) else None
+                        for a in fw.graph.find_nodes(op="output")[0].args[0])
+    try:
+        schedules = tp.inductor_schedule(fw_seen, is_backward=False), tp.inductor_schedule(bw_seen, is_backward=True)
+        return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names)
+    except Exception as error:  # noqa: BLE001 - the prediction must not fail the compile
+        log.warning("memcompile: scheduling a copy of the graphs with Inductor failed (%s: %s); "
+                    "predicting in graph order", type(error).__name__, error)
+    # Graph order misses what Inductor's schedule moves: the larger of both counts.
+    fused = analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True, saved_names=saved_names)
+    return fused if fused.peak_bytes > unfused.peak_bytes else unfused
 
 
 def _user_line(stack_trace: str) -> str:
@@ -167,7 +180,7 @@ def _plan_joint_graph(
     profile = profile_for(device)
     store = _store_options(options, device)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
-                                   fuse=_runs_under_inductor(options) and FUSION_CHECK_ALONE)
+                                   fuse=_runs_under_inductor(options) and FUSION_CHECK)
     problem = analysis.problem
     budget = options.step_budget_bytes
 

@@ -16,10 +16,13 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile.passes.fusion import FusionPrediction, FusionRules, predict_fusion
+from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledKernel
 from memcompile.passes.graph_facts import (
     effective_reads,
     fusion_facts,
     graph_device_type,
+    kernel_workspace_bytes,
+    promotion_copy_bytes,
     wrapper_allocates,
     transient_bytes,
     is_aliasing_op,
@@ -137,7 +140,8 @@ def _fusion(gm: fx.GraphModule, fuse_pointwise: bool) -> _Fusion:
 
 
 def analyze_liveness(
-    fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int, *, fuse_pointwise: bool = False
+    fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int, *, fuse_pointwise: bool = False,
+    saved_names: tuple[str | None, ...] | None = None,
 ) -> LivenessTimeline:
     """Timeline of live bytes over `fw` then `bw` (AOTAutograd's partitioned graphs).
 
@@ -146,6 +150,8 @@ def analyze_liveness(
     `fuse_pointwise` models Inductor's code generation (passes/fusion.py): bodies it inlines into
     their consumers hold no buffer, and their inputs stay live until those consumers run; without
     it every node's result is a buffer, as when the FX interpreter runs the graph.
+    `saved_names`: the names the backward's placeholders know the forward's outputs by, when `fw`
+    renamed them (Inductor's post-grad passes turn `add_1 = mm + x` into `addmm_default_1`).
     """
     storages: dict[str, _Storage] = {}
     steps: list[LiveStep] = []
@@ -191,7 +197,7 @@ def analyze_liveness(
             storage.category = OUTPUT if i < num_fwd_outputs else SAVED
         storage.user_visible |= i < num_fwd_outputs
         if i >= num_fwd_outputs:
-            handed_on[arg.name] = key
+            handed_on[_saved_name(arg, i, saved_names)] = key
     for key, s in storages.items():
         if s.category == STATIC:
             live[key] = s
@@ -313,23 +319,30 @@ def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str
             del live[key]
 
 
-def _take_in_place(node: fx.Node, step: int, created, live: dict[str, _Storage], storages: dict[str, _Storage],
-                   donors: dict[fx.Node, list[str]]) -> str | None:
-    """Drop from `live` the dying storage `node` writes its result into, if any (its key)."""
-    if len(created) != 1 or node not in donors:
-        return None
-    new = storages[created[0]]
-    for key in donors[node]:
-        old = live.get(key)
-        # A donor dies here, is ours to overwrite (not a parameter, input, user output or
-        # gradient; saved tensors are donated to the backward) and has exactly the size of the
-        # result: the result takes it over.
-        if (old is not None and old.last_step == step and not old.pinned and not old.user_visible
-                and not old.from_input and old.category in (TEMPORARY, SAVED) and old.nbytes == new.nbytes
-                and old.dtype == new.dtype):
-            del live[key]
-            return key
-    return None
+def _take_in_place(node, step: int, created, live: dict[str, _Storage], storages: dict[str, _Storage],
+                   donors: dict) -> dict[str, str]:
+    """Drop from `live` the dying storages `node`'s results are written into: {result key: donor
+    key}. `donors[node]` lists the donors of a node's single result (graph order), or maps each
+    result to its donors (a fused kernel of Inductor's schedule: each result may take one)."""
+    if node not in donors or not created:
+        return {}
+    per_result = donors[node] if isinstance(donors[node], dict) else (
+        {created[0]: donors[node]} if len(created) == 1 else {})
+    taken: dict[str, str] = {}
+    for new_key in created:
+        new = storages[new_key]
+        for key in per_result.get(new_key, ()):
+            old = live.get(key)
+            # A donor dies here, is ours to overwrite (not a parameter, input, user output or
+            # gradient; saved tensors are donated to the backward) and has exactly the size of
+            # the result: the result takes it over.
+            if (old is not None and old.last_step == step and not old.pinned and not old.user_visible
+                    and not old.from_input and old.category in (TEMPORARY, SAVED) and old.nbytes == new.nbytes
+                    and old.dtype == new.dtype):
+                del live[key]
+                taken[new_key] = key
+                break
+    return taken
 
 
 def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
@@ -354,7 +367,7 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
         for key in created:
             new = storages[key]
             bucket = pool.get((new.dtype, new.nbytes))
-            if node in allocates and taken is None and bucket:
+            if node in allocates and key not in taken and bucket:
                 reuses[bucket.pop()] = (step, key)
             live[key] = new
         for key in [k for k, s in live.items() if not s.pinned and s.last_step <= step]:
@@ -376,3 +389,156 @@ def _keys_by_creator(created: dict[str, tuple[int, fx.Node]]) -> dict[fx.Node, l
     for key, (_nbytes, creator) in created.items():
         by_creator.setdefault(creator, []).append(key)
     return by_creator
+
+
+def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int,
+                               fw_schedule: InductorSchedule, bw_schedule: InductorSchedule | None,
+                               saved_names: tuple[str | None, ...] | None = None) -> LivenessTimeline:
+    """Timeline of live bytes as Inductor's wrapper runs `fw` then `bw`: over its kernels in its
+    order (passes/inductor_schedule.py), each kernel one step that allocates all its buffers
+    before any of its inputs is freed. `fw`/`bw` are the graphs the schedules were built from
+    (after Inductor's post-grad passes): their placeholders, outputs and library kernels' nodes.
+    The same rules as analyze_liveness otherwise: storages freed after their last reader, unless
+    handed on; a result written over a dying input of the same size; freed buffers held for a
+    later allocation of the same size and dtype (_pool_reuses)."""
+    storages: dict[str, _Storage] = {}
+    steps: list[LiveStep] = []
+    live: dict[str, _Storage] = {}
+    peak = {"bytes": -1, "breakdown": ()}
+
+    def record(phase: str, kernel: ScheduledKernel, graph: fx.GraphModule) -> None:
+        transient = 0
+        if kernel.extern_origin:
+            # The library call's own workspace. Not layout_copy_bytes: Inductor hands it the
+            # strides it accepts, realizing any copy as a buffer of its schedule (counted there);
+            # attention's backward given strided views measured 32 KiB of scratch, not copies.
+            origin = _node_named(graph, kernel.extern_origin)
+            transient = kernel_workspace_bytes(origin) + promotion_copy_bytes(origin) if origin is not None else 0
+        scratch = OP_SCRATCH_BYTES + transient
+        total = sum(s.nbytes for s in live.values()) + scratch
+        steps.append(LiveStep(phase, kernel.name, total))
+        if total > peak["bytes"]:
+            by_category: dict[str, int] = {}
+            for s in live.values():
+                by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
+            by_category["op_scratch_and_workspace"] = scratch
+            peak["bytes"] = total
+            peak["breakdown"] = tuple(sorted(by_category.items()))
+
+    def walk(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, prefix: str,
+             input_key) -> dict[str, str]:
+        """Register the phase's storages; returns {Inductor name: storage key}."""
+        key_of: dict[str, str] = {}
+        for node in graph.graph.nodes:
+            if node.op == "placeholder":
+                key = input_key(node)
+                if key is not None:
+                    key_of[node.name] = key
+        for kernel in schedule.kernels:
+            for buf in kernel.allocates:
+                key = prefix + buf.name
+                key_of[buf.name] = key
+                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype)
+        return key_of
+
+    def run(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, key_of: dict[str, str]) -> None:
+        kernels = list(schedule.kernels)
+        for step, kernel in enumerate(kernels):
+            for name in kernel.reads:
+                key = key_of.get(name)
+                if key is not None and key in storages:
+                    storages[key].last_step = max(storages[key].last_step, step)
+        creates = {k: [key_of[b.name] for b in k.allocates] for k in kernels}
+        donors: dict[ScheduledKernel, dict[str, list[str]]] = {}
+        for k in kernels:
+            for result, donor in k.in_place_candidates:
+                if donor in key_of and result in key_of and key_of[result] in creates[k]:
+                    donors.setdefault(k, {}).setdefault(key_of[result], []).append(key_of[donor])
+        allocates = frozenset(k for k in kernels if k.wrapper_allocates)
+        _run_phase(phase, kernels, creates, live, storages, lambda ph, k: record(ph, k, graph), donors, allocates)
+
+    # ---- forward
+    def fw_input(node: fx.Node) -> str:
+        key = node.name
+        storages[key] = _Storage(tensor_nbytes(node.meta.get("val")), STATIC, pinned=True,
+                                 dtype=str(getattr(node.meta.get("val"), "dtype", None)))
+        return key
+
+    fw_keys = walk("forward", fw, fw_schedule, "", fw_input)
+    fw_out_args = list(fw.graph.find_nodes(op="output")[0].args[0])
+    if len(fw_out_args) != len(fw_schedule.outputs):
+        raise ValueError(f"forward schedule has {len(fw_schedule.outputs)} outputs, the graph {len(fw_out_args)}")
+    handed_on: dict[str, str] = {}
+    for i, (arg, name) in enumerate(zip(fw_out_args, fw_schedule.outputs)):
+        key = fw_keys.get(name) if name is not None else None
+        if key is None or not isinstance(arg, fx.Node):
+            continue
+        storage = storages[key]
+        storage.pinned = True
+        if storage.category != STATIC:
+            storage.category = OUTPUT if i < num_fwd_outputs else SAVED
+        storage.user_visible |= i < num_fwd_outputs
+        if i >= num_fwd_outputs:
+            handed_on[_saved_name(arg, i, saved_names)] = key
+    for key, s in storages.items():
+        if s.category == STATIC:
+            live[key] = s
+    static_bytes = sum(s.nbytes for s in live.values())
+    run("forward", fw, fw_schedule, fw_keys)
+
+    # ---- backward
+    if bw is not None and bw_schedule is not None:
+        def bw_input(node: fx.Node) -> str | None:
+            if node.name in handed_on:
+                return handed_on[node.name]
+            if tp.is_tangent(node):
+                key = f"bw:{node.name}"
+                val = node.meta.get("val")
+                storages[key] = _Storage(tensor_nbytes(val), TEMPORARY, from_input=True,
+                                         dtype=str(getattr(val, "dtype", None)))
+                live[key] = storages[key]
+                return key
+            return None
+
+        for key in handed_on.values():
+            if storages[key].category == SAVED:
+                storages[key].pinned = False
+                storages[key].last_step = -1
+        bw_keys = walk("backward", bw, bw_schedule, "bw:", bw_input)
+        bw_out_args = list(bw.graph.find_nodes(op="output")[0].args[0])
+        if len(bw_out_args) != len(bw_schedule.outputs):
+            raise ValueError(f"backward schedule has {len(bw_schedule.outputs)} outputs, the graph {len(bw_out_args)}")
+        for name in bw_schedule.outputs:
+            key = bw_keys.get(name) if name is not None else None
+            if key is not None and storages[key].category != STATIC:
+                storages[key].pinned = True
+                storages[key].category = GRADIENT
+        # last reads first, so saved tensors the backward never reads are dropped before it runs
+        for step, kernel in enumerate(bw_schedule.kernels):
+            for name in kernel.reads:
+                key = bw_keys.get(name)
+                if key is not None and key in storages:
+                    storages[key].last_step = max(storages[key].last_step, step)
+        for key in [k for k, s in live.items() if not s.pinned and s.last_step < 0]:
+            del live[key]
+        run("backward", bw, bw_schedule, bw_keys)
+
+    if not steps:
+        steps.append(LiveStep("forward", "<empty>", static_bytes))
+        peak["breakdown"] = ((STATIC, static_bytes),)
+    peak_index = max(range(len(steps)), key=lambda i: steps[i].live_bytes)
+    return LivenessTimeline(tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"])
+
+
+def _saved_name(arg: fx.Node, index: int, saved_names: tuple[str | None, ...] | None) -> str:
+    """The name the backward's placeholder for forward output `index` has."""
+    if saved_names is not None and index < len(saved_names) and saved_names[index] is not None:
+        return saved_names[index]
+    return arg.name
+
+
+def _node_named(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    for node in gm.graph.nodes:
+        if node.name == name:
+            return node
+    return None

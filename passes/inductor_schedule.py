@@ -1,0 +1,42 @@
+"""Inductor's schedule of one graph, as plain data: the kernels in the order its wrapper runs them,
+the buffers each allocates and the buffers (or graph inputs) each reads.
+
+Why not the FX graph's order: Inductor's scheduler fuses nodes far apart in the graph into one
+kernel and runs it at its earliest member (torch/_inductor/scheduler.py `fuse_nodes_once`: fused
+nodes sorted by `min_order`, their dependencies hoisted by the topological sort), then reorders
+kernels for its own peak estimate (`memory.reorder_for_peak_memory`). On a Llama plan that
+recomputes in the backward, layer 0's recomputed RoPE keys, attention masks and q/k projections
+were fused with layer 1's (they read the same saved cos/sin and mask) and computed at the top of
+the backward, held across all of layer 1's backward; and the three 688 KiB outputs of one fused
+MLP-backward kernel coexisted where the graph order let each reuse the previous one's memory.
+The liveness over this schedule (passes/liveness.py `analyze_scheduled_liveness`) sees both.
+Built by `memcompile._torch_private.inductor_schedule` (lowering and scheduling, no codegen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledBuffer:
+    name: str  # Inductor's buffer name (buf12)
+    nbytes: int  # the storage the wrapper allocates (0 for aliases)
+    dtype: str  # with nbytes, the key the wrapper reuses freed buffers by
+
+
+@dataclass(frozen=True)
+class ScheduledKernel:
+    index: int  # position in the run order (also makes equal kernels distinct)
+    name: str  # a readable name: the first FX node it computes
+    allocates: tuple[ScheduledBuffer, ...]  # buffers allocated when it runs
+    reads: tuple[str, ...]  # buffers and graph inputs it reads (aliases resolved to their storage)
+    in_place_candidates: tuple[tuple[str, str], ...]  # (result, input it may be written over)
+    wrapper_allocates: bool  # generated kernel or out= library call: may take a freed buffer
+    extern_origin: str = ""  # the FX node of a library kernel (for its workspace), else ""
+
+
+@dataclass(frozen=True)
+class InductorSchedule:
+    kernels: tuple[ScheduledKernel, ...]
+    outputs: tuple[str | None, ...]  # per FX output argument: the storage it is (None: not a tensor)

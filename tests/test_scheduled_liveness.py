@@ -1,0 +1,98 @@
+"""Liveness over Inductor's schedule (passes/liveness.py analyze_scheduled_liveness), on small
+hand-made schedules: no Inductor run (tests/test_fusion_inductor.py checks real ones)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
+from memcompile.passes.liveness import OP_SCRATCH_BYTES, analyze_liveness, analyze_scheduled_liveness
+
+KIB = 1024
+F32 = str(torch.float32)
+
+
+def _graph(placeholders: dict[str, int], outputs: list[tuple[str, int]]) -> fx.GraphModule:
+    """Placeholders of the given float counts, and outputs: (name, floats) of new nodes
+    (mul of the first placeholder) or existing placeholders."""
+    graph = fx.Graph()
+    nodes = {}
+    for name, floats in placeholders.items():
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = torch.empty(floats)
+    first = next(iter(nodes.values()))
+    outs = []
+    for name, floats in outputs:
+        if name not in nodes:
+            nodes[name] = graph.create_node("call_function", torch.ops.aten.mul.Tensor, (first, first), name=name)
+            nodes[name].meta["val"] = torch.empty(floats)
+        outs.append(nodes[name])
+    graph.output(outs)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _kernel(index, allocates, reads, in_place=(), generated=True):
+    return ScheduledKernel(index, f"k{index}", tuple(ScheduledBuffer(n, b, F32) for n, b in allocates), tuple(reads),
+                           tuple(in_place), generated)
+
+
+def _forward_steps(timeline):
+    return [s.live_bytes - OP_SCRATCH_BYTES for s in timeline.steps if s.phase == "forward"]
+
+
+def test_results_of_one_kernel_coexist_and_one_may_take_a_dying_input():
+    x = 4 * KIB
+    fw = _graph({"primals_1": 1024}, [("out", 1024)])
+    kernels = (
+        _kernel(0, [("buf0", 4 * KIB)], ["primals_1"]),
+        # one fused kernel, two results; buf1 is written over buf0, which dies here
+        _kernel(1, [("buf1", 4 * KIB), ("buf2", 4 * KIB)], ["buf0"], in_place=[("buf1", "buf0")]),
+        _kernel(2, [("buf3", 4 * KIB)], ["buf1", "buf2"]),
+    )
+    timeline = analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf3",)), None)
+    assert _forward_steps(timeline) == [x + 4 * KIB, x + 8 * KIB, x + 12 * KIB]
+
+    # buf0 read again later: it does not die at k1, so both results take new memory
+    later = (kernels[0], kernels[1], _kernel(2, [("buf3", 4 * KIB)], ["buf1", "buf2", "buf0"]))
+    timeline = analyze_scheduled_liveness(fw, None, 1, InductorSchedule(later, ("buf3",)), None)
+    assert _forward_steps(timeline) == [x + 4 * KIB, x + 12 * KIB, x + 16 * KIB]
+
+
+def test_a_freed_buffer_is_held_for_the_next_allocation_of_its_size():
+    x = 4 * KIB
+    fw = _graph({"primals_1": 1024}, [("out", 1024)])
+    kernels = (
+        _kernel(0, [("buf0", 8 * KIB)], ["primals_1"]),
+        _kernel(1, [("buf1", 4 * KIB)], ["buf0"], generated=False),  # a library call: allocates its own
+        _kernel(2, [("buf2", 2 * KIB)], ["buf1"]),
+        _kernel(3, [("buf3", 8 * KIB)], ["buf2"]),  # takes buf0's memory, held since k1
+        _kernel(4, [("buf4", 4 * KIB)], ["buf3"]),  # takes buf1's memory, held since k2
+    )
+    steps = _forward_steps(analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf4",)), None))
+    assert steps[2] == x + 8 * KIB + 4 * KIB + 2 * KIB  # buf0 dead, but still allocated
+    assert steps[3] == x + 4 * KIB + 2 * KIB + 8 * KIB  # buf3 in buf0's memory; buf1 held
+    assert steps[4] == x + 8 * KIB + 4 * KIB  # buf4 in buf1's memory; buf2 (no taker) freed
+
+
+def test_saved_tensors_renamed_by_post_grad_passes_are_held_for_the_backward():
+    """Inductor's post-grad passes turn `add_1 = mm + x` into `addmm_default`; the backward's
+    placeholder keeps the name add_1. Unmatched, the saved tensor looked unread and was dropped."""
+    fw = _graph({"primals_1": 16}, [("sum_1", 1), ("addmm_default", 4096)])
+    bw = _graph({"add_1": 4096, "tangents_1": 1}, [("grad", 16)])
+    saved = 4096 * 4
+    fw_schedule = InductorSchedule((_kernel(0, [("buf0", 4)], ["primals_1"]),
+                                    _kernel(1, [("buf1", saved)], ["primals_1"])), ("buf0", "buf1"))
+    bw_schedule = InductorSchedule((_kernel(0, [("buf0", 64)], ["add_1", "tangents_1"]),), ("buf0",))
+    names = ("sum_1", "add_1")
+
+    def backward_peak(timeline):
+        return max(s.live_bytes for s in timeline.steps if s.phase == "backward")
+
+    with_names = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule, saved_names=names)
+    assert backward_peak(with_names) >= saved + 64
+    without = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule)
+    assert backward_peak(without) < saved  # the mismatch the names fix
+    # the graph-order liveness takes the same names
+    assert backward_peak(analyze_liveness(fw, bw, 1, saved_names=names)) >= saved + 64
+    assert backward_peak(analyze_liveness(fw, bw, 1)) < saved
