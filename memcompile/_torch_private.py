@@ -245,6 +245,7 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
     from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.virtualized import V
 
+    from memcompile import transfer_ops
     from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
 
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
@@ -263,11 +264,21 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         graph._update_scheduler()
         hint = graph.sizevars.optimization_hint
 
+        def transfer_op(node):
+            """Our transfer op (memcompile/transfer_ops.py) that made `node`, if any."""
+            kernel = node.inputs[0] if isinstance(node, ir.MultiOutput) and node.inputs else node
+            op = getattr(kernel, "op_overload", None)
+            return (op, kernel) if op in (transfer_ops.COPY_TO_HOST, transfer_ops.WAIT_COPY) else (None, None)
+
         def base_of(name: str, depth: int = 0) -> str:
-            """The buffer whose storage `name` uses (views into a concat, mutation results)."""
+            """The buffer whose storage `name` uses (views into a concat, mutation results, the
+            alias a transfer wait returns)."""
             buf = graph.scheduler.name_to_buf.get(name)
             if buf is None or depth > 32:
                 return name
+            op, kernel = transfer_op(buf.node)
+            if op is transfer_ops.WAIT_COPY and kernel.inputs:
+                return base_of(kernel.inputs[0].get_name(), depth + 1)
             node, layout = buf.node, buf.node.get_output_spec()
             if isinstance(layout, ir.NonOwningLayout):
                 return base_of(layout.view.get_name(), depth + 1)
@@ -279,6 +290,8 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
             return name
 
         def nbytes(node) -> int:
+            if transfer_op(node)[0] is transfer_ops.COPY_TO_HOST:
+                return 0  # host memory (on the CPU test switch, standing in for it)
             return int(hint(graph.get_allocation_storage_size(node))) * node.get_dtype().itemsize
 
         # Members of a multi-output library call (sdpa's outputs...) are allocated by the call.
