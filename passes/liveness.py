@@ -184,23 +184,8 @@ def analyze_liveness(
     _mark_last_reads(fw_nodes, fw_roots, fw_fused, storages)
     fw_out = fw.graph.find_nodes(op="output")[0]
     fw_out_args = list(fw_out.args[0])
-    handed_on: dict[str, str] = {}  # saved value name -> storage key
-    for i, arg in enumerate(fw_out_args):
-        if not isinstance(arg, fx.Node):
-            continue
-        key = fw_roots.get(arg)
-        if key is None or key not in storages:
-            continue
-        storage = storages[key]
-        storage.pinned = True
-        if storage.category != STATIC:
-            storage.category = OUTPUT if i < num_fwd_outputs else SAVED
-        storage.user_visible |= i < num_fwd_outputs
-        if i >= num_fwd_outputs:
-            handed_on[_saved_name(arg, i, saved_names)] = key
-    for key, s in storages.items():
-        if s.category == STATIC:
-            live[key] = s
+    handed_on = _hand_on_outputs([(i, arg, fw_roots.get(arg)) for i, arg in enumerate(fw_out_args)
+                                  if isinstance(arg, fx.Node)], storages, live, num_fwd_outputs, saved_names)
     static_bytes = live_total()
     _run_phase("forward", fw_nodes, _keys_by_creator(fw_created), live, storages,
                lambda phase, node: record(phase, node, fw_fused), _in_place_donors(fw_nodes, fw_roots, fw_fused),
@@ -468,21 +453,9 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     fw_out_args = list(fw.graph.find_nodes(op="output")[0].args[0])
     if len(fw_out_args) != len(fw_schedule.outputs):
         raise ValueError(f"forward schedule has {len(fw_schedule.outputs)} outputs, the graph {len(fw_out_args)}")
-    handed_on: dict[str, str] = {}
-    for i, (arg, name) in enumerate(zip(fw_out_args, fw_schedule.outputs)):
-        key = fw_keys.get(name) if name is not None else None
-        if key is None or not isinstance(arg, fx.Node):
-            continue
-        storage = storages[key]
-        storage.pinned = True
-        if storage.category != STATIC:
-            storage.category = OUTPUT if i < num_fwd_outputs else SAVED
-        storage.user_visible |= i < num_fwd_outputs
-        if i >= num_fwd_outputs:
-            handed_on[_saved_name(arg, i, saved_names)] = key
-    for key, s in storages.items():
-        if s.category == STATIC:
-            live[key] = s
+    handed_on = _hand_on_outputs([(i, arg, fw_keys.get(name) if name is not None else None)
+                                  for i, (arg, name) in enumerate(zip(fw_out_args, fw_schedule.outputs))
+                                  if isinstance(arg, fx.Node)], storages, live, num_fwd_outputs, saved_names)
     static_bytes = sum(s.nbytes for s in live.values())
     run("forward", fw, fw_schedule, fw_keys)
 
@@ -528,6 +501,28 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
         peak["breakdown"] = ((STATIC, static_bytes),)
     peak_index = max(range(len(steps)), key=lambda i: steps[i].live_bytes)
     return LivenessTimeline(tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"])
+
+
+def _hand_on_outputs(outputs: list[tuple[int, fx.Node, str | None]], storages: dict[str, _Storage],
+                     live: dict[str, _Storage], num_fwd_outputs: int, saved_names) -> dict[str, str]:
+    """The forward's outputs (index, node, storage key) stay live to the end of the forward: the
+    user's outputs, and saved tensors handed on to the backward (returned: saved name -> key);
+    static storages (parameters) are live from the start."""
+    handed_on: dict[str, str] = {}
+    for i, arg, key in outputs:
+        if key is None or key not in storages:
+            continue
+        storage = storages[key]
+        storage.pinned = True
+        if storage.category != STATIC:
+            storage.category = OUTPUT if i < num_fwd_outputs else SAVED
+        storage.user_visible |= i < num_fwd_outputs
+        if i >= num_fwd_outputs:
+            handed_on[_saved_name(arg, i, saved_names)] = key
+    for key, s in storages.items():
+        if s.category == STATIC:
+            live[key] = s
+    return handed_on
 
 
 def _saved_name(arg: fx.Node, index: int, saved_names: tuple[str | None, ...] | None) -> str:
