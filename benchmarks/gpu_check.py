@@ -226,7 +226,7 @@ def gpt_table(out, blocks: int, positions: tuple[float, ...], variants: list[str
     y = make_target(batch, seq, d).to(DEVICE, dtype)
     live = [x, y, *model.parameters()]
     print(f"GPT {blocks}x{d}, {heads} heads, batch {batch}, seq {seq}, {dtype}, "
-          f"fusion check {'on' if memcompile.planner.FUSION_CHECK_ALONE else 'off'}", flush=True)
+          f"Inductor-schedule check {'on' if memcompile.planner.FUSION_CHECK else 'off'}", flush=True)
 
     def measure(backend, overlap: bool = False) -> dict:
         torch.compiler.reset()

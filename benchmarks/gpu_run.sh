@@ -1,7 +1,7 @@
 #!/bin/bash
 # The device check as one command (benchmarks/gpu_check.py on a lent CUDA machine): installs the
 # package and OR-Tools from carried wheels (.whl, no network there), then runs the check.
-# Usage there: bash benchmarks/gpu_run.sh   (writes $OUT/gpu_check.jsonl and $OUT/log.txt)
+# Usage there: bash benchmarks/gpu_run.sh   (writes $OUT/{bf16,fp32,graph_order}/{gpu_check.jsonl,log.txt})
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -25,5 +25,5 @@ run() {  # run NAME SECONDS ARGS...: one gpu_check invocation, its rows and log 
 run bf16 "${T1:-260}" --blocks "${BLOCKS:-4}"
 # float32 with float32 matmuls at full precision: compute slow enough for offload to pay.
 run fp32 "${T2:-110}" --blocks "${BLOCKS:-4}" --dtype float32 --variants "recompute only,+ offload" --skip-offload-check
-# The opt-in fusion-aware check (passes/fusion.py) on CUDA: measured <= predicted?
-MEMCOMPILE_FUSION_CHECK=1 run fusion "${T3:-110}" --blocks "${BLOCKS:-4}" --variants "recompute only,+ int8" --skip-offload-check
+# The older count (every node a buffer, graph order) beside the default check over Inductor's schedule.
+MEMCOMPILE_FUSION_CHECK=0 run graph_order "${T3:-110}" --blocks "${BLOCKS:-4}" --variants "recompute only,+ int8" --skip-offload-check
