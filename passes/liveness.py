@@ -164,15 +164,7 @@ def analyze_liveness(
     def record(phase: str, node: fx.Node, fused: _Fusion) -> None:
         # An inlined body runs inside its consumer's kernel: no kernel, no transients of its own.
         scratch = OP_SCRATCH_BYTES + (0 if node in fused.inlined else transient_bytes(node))
-        total = live_total() + scratch
-        steps.append(LiveStep(phase, node.name, total))
-        if total > peak["bytes"]:
-            by_category: dict[str, int] = {}
-            for s in live.values():
-                by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
-            by_category["op_scratch_and_workspace"] = scratch
-            peak["bytes"] = total
-            peak["breakdown"] = tuple(sorted(by_category.items()))
+        _record_step(steps, peak, live, phase, node.name, scratch)
 
     # ---- forward
     fw_fused = _fusion(fw, fuse_pointwise)
@@ -399,16 +391,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             # attention's backward given strided views measured 32 KiB of scratch, not copies.
             origin = _node_named(graph, kernel.extern_origin)
             transient = kernel_workspace_bytes(origin) + promotion_copy_bytes(origin) if origin is not None else 0
-        scratch = OP_SCRATCH_BYTES + transient
-        total = sum(s.nbytes for s in live.values()) + scratch
-        steps.append(LiveStep(phase, kernel.name, total))
-        if total > peak["bytes"]:
-            by_category: dict[str, int] = {}
-            for s in live.values():
-                by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
-            by_category["op_scratch_and_workspace"] = scratch
-            peak["bytes"] = total
-            peak["breakdown"] = tuple(sorted(by_category.items()))
+        _record_step(steps, peak, live, phase, kernel.name, OP_SCRATCH_BYTES + transient)
 
     def walk(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, prefix: str,
              input_key) -> dict[str, str]:
@@ -501,6 +484,20 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
         peak["breakdown"] = ((STATIC, static_bytes),)
     peak_index = max(range(len(steps)), key=lambda i: steps[i].live_bytes)
     return LivenessTimeline(tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"])
+
+
+def _record_step(steps: list, peak: dict, live: dict[str, _Storage], phase: str, name: str, scratch: int) -> None:
+    """One step's live bytes (live storages plus the op's scratch); the breakdown by category
+    at a new peak."""
+    total = sum(s.nbytes for s in live.values()) + scratch
+    steps.append(LiveStep(phase, name, total))
+    if total > peak["bytes"]:
+        by_category: dict[str, int] = {}
+        for s in live.values():
+            by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
+        by_category["op_scratch_and_workspace"] = scratch
+        peak["bytes"] = total
+        peak["breakdown"] = tuple(sorted(by_category.items()))
 
 
 def _hand_on_outputs(outputs: list[tuple[int, fx.Node, str | None]], storages: dict[str, _Storage],
