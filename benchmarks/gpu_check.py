@@ -152,6 +152,33 @@ def copy_overlap(step) -> dict:
             "step_ms": (max(e for _, e in everything) - min(s for s, _ in everything)) / 1e3 if everything else 0.0}
 
 
+def offload_totals(plan) -> dict:
+    """What the plan moves over the link and what the solver thought it costs: with the trace's
+    copy time this tells slow copies (bytes / copy time below the link) from exposed ones."""
+    offloaded = [d for d in plan.decisions if d.choice == "offload"] if plan is not None else []
+    return {"offloaded_bytes": sum(d.nbytes for d in offloaded),
+            "offload_estimated_s": sum(d.time_cost_s for d in offloaded)} if offloaded else {}
+
+
+def memory_snapshot(step, out: pathlib.Path, index: int) -> str:
+    """One step under the allocator's history recorder (Python stacks, so each block names the
+    line of Inductor's generated code that allocated it): read offline where the measured peak
+    exceeded the prediction."""
+    path = out / f"snapshot_{index}.pickle"
+    try:
+        sync()
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+        step()
+        sync()
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception:
+        traceback.print_exc()
+        return ""
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return path.name
+
+
 def offload_correctness(out) -> dict:
     """Async offload on a gated float32 stack wide enough (d=4096) that a float32 matmul outlasts
     copying its output over the host link, so the solver offloads for real: fits, exact, no copy
@@ -264,13 +291,17 @@ def gpt_table(out, blocks: int, positions: tuple[float, ...], variants: list[str
                "choices": plans[0].choices() if plans else {},
                "status": plans[0].solver_status if plans else "",
                "predicted_added_s": plans[0].added_time_s if plans else None,
-               "in_flight_after": transfer_ops.copies_in_flight()}
+               "in_flight_after": transfer_ops.copies_in_flight(),
+               **offload_totals(plans[0] if plans else None)}
         if overlap and CUDA and row["choices"].get("offload"):
             try:
                 model.zero_grad(set_to_none=True)
                 row.update(copy_overlap(lambda: step(x, y).backward()))
             except Exception:
                 traceback.print_exc()
+        if CUDA and out is not None and row["predicted"] and row["peak"] > row["predicted"]:
+            model.zero_grad(set_to_none=True)
+            row["snapshot"] = memory_snapshot(lambda: step(x, y).backward(), out, len(list(out.glob("snapshot_*"))))
         return row
 
     rows = []
@@ -290,6 +321,10 @@ def gpt_table(out, blocks: int, positions: tuple[float, ...], variants: list[str
         fits = "" if limit is None else ("yes" if r["peak"] <= limit else "NO")
         predicted = f"{r['predicted'] / MIB:>8.0f}" if r.get("predicted") else f"{'':>8}"
         overlap = f" copies {r['copy_ms']:.1f} ms, {r['overlapped']:.0%} overlapped" if "copy_ms" in r else ""
+        if r.get("offloaded_bytes"):
+            overlap += f" offloaded {r['offloaded_bytes'] / MIB:.0f} MiB, estimated {r['offload_estimated_s'] * 1e3:.1f} ms"
+        if r.get("snapshot"):
+            overlap += f" [over the prediction: {r['snapshot']}]"
         if r.get("forward_peak"):
             overlap += f" [measured forward peak {r['forward_peak'] / MIB:.0f}; predicted peak in {r['predicted_peak_phase']}]"
         print(f"{label:<30} {(limit or 0) / MIB:>8.0f} {predicted} {r['peak'] / MIB:>8.0f} {fits:>4} "
