@@ -287,12 +287,16 @@ def gpt_table(out, blocks: int, positions: tuple[float, ...], variants: list[str
         plans = getattr(backend, "plans", None) or []
         row = {"feasible": True, "peak": peak, "forward_peak": forward_peak,
                "predicted_peak_phase": plans[0].peak_phase if plans else "", "step_s": statistics.median(times[1:]), "compile_s": compile_s,
-               "grads": grads, "predicted": plans[0].predicted_peak_bytes if plans else None,
+               "grads": grads,
+               # the step's predicted peak plus what the budget holds outside it (cuBLAS workspaces)
+               "predicted": plans[0].predicted_peak_bytes + plans[0].reserve_bytes if plans else None,
+               "reserve": plans[0].reserve_bytes if plans else None,
                "choices": plans[0].choices() if plans else {},
                "status": plans[0].solver_status if plans else "",
                "predicted_added_s": plans[0].added_time_s if plans else None,
                "in_flight_after": transfer_ops.copies_in_flight(),
-               **offload_totals(plans[0] if plans else None)}
+               **offload_totals(plans[0] if plans else None),
+               "plan_text": memcompile.dump(backend) if plans else ""}
         if overlap and CUDA and row["choices"].get("offload"):
             try:
                 model.zero_grad(set_to_none=True)

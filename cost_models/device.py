@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -81,3 +83,50 @@ def profile_for(device: str | torch.device | None) -> DeviceProfile:
                     return profile
         return DATASHEET_PROFILES["h100"]
     return measure_cpu_profile()
+
+
+def step_device(inputs: object) -> str:
+    """The accelerator a step runs on: the type of the first non-CPU tensor among `inputs`
+    (nested as AOTAutograd passes them, (primals, tangents)), else "cpu". A CPU scalar input (a
+    seed, a step count) beside device tensors does not make the step a CPU one."""
+    pending = [inputs]
+    while pending:
+        x = pending.pop(0)
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                return x.device.type
+        elif isinstance(x, (list, tuple)):
+            pending[:0] = x
+        elif isinstance(x, dict):
+            pending[:0] = x.values()
+    return "cpu"
+
+
+# cuBLAS handles are per thread: the forward runs on the caller's thread, the backward on
+# autograd's device thread, and PyTorch keeps one workspace per (handle, stream).
+BLAS_HANDLES_PER_STEP = 2
+
+
+def blas_workspace_bytes_for(capability_major: int, environ: dict[str, str]) -> int:
+    """Bytes of one cuBLAS workspace as PyTorch sizes it (aten/src/ATen/cuda/CublasHandlePool.cpp):
+    CUBLAS_WORKSPACE_CONFIG ":SIZE_KiB:COUNT..." if set, else 32 MiB on Hopper and Blackwell
+    (major 9, 10, 12) and ":4096:2:16:8" before; plus cuBLASLt's own workspace (CUBLASLT_WORKSPACE_SIZE
+    KiB, default 1 MiB) only where TORCH_CUBLASLT_UNIFIED_WORKSPACE turns the shared one off."""
+    default = 32 * 2**20 if capability_major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    config = environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    blas = sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
+    unified = environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() not in ("0", "false", "off", "no")
+    if unified:
+        return blas
+    lt_kib = environ.get("CUBLASLT_WORKSPACE_SIZE", "1024")
+    return blas + (int(lt_kib) * 1024 if lt_kib.isdigit() else 2**20)
+
+
+def blas_workspace_bytes(device: str) -> int:
+    """Device bytes the matmul library holds for a step on `device` (allocated through the caching
+    allocator on first use and kept, so `max_memory_allocated` counts them): 0 off CUDA."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return 0
+    major, _ = torch.cuda.get_device_capability()
+    return BLAS_HANDLES_PER_STEP * blas_workspace_bytes_for(major, dict(os.environ))

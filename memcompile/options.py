@@ -69,10 +69,20 @@ class Options:
     # where the device has its own memory (CUDA, XPU); True also on the CPU (tests the rewrite).
     offload: bool | None = False
     host_link_gbps: float | None = None  # device<->host GB/s for offload costs; None: the device profile's
+    # Part of reserve_bytes: the matmul library's workspaces on the step's device (set by the
+    # backend from the first graph's inputs; cost_models/device.py blas_workspace_bytes).
+    library_workspace_bytes: int = 0
 
     @property
     def step_budget_bytes(self) -> int:
         return self.budget_bytes - self.reserve_bytes
+
+    def reserve_text(self) -> str:
+        """", reserve N" (and what of it the library holds) for messages; "" without a reserve."""
+        if not self.reserve_bytes:
+            return ""
+        library = self.library_workspace_bytes
+        return f", reserve {self.reserve_bytes}" + (f" of which cuBLAS workspaces {library}" if library else "")
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))

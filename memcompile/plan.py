@@ -53,6 +53,7 @@ class Plan:
     # Symbolic sizes the plan was made for, as (symbol, size): it covers every size <= these
     # (larger ones are re-planned before they run). Empty for static shapes.
     size_bounds: tuple[tuple[str, int], ...] = ()
+    library_workspace_bytes: int = 0  # part of reserve_bytes: the matmul library's workspaces
 
     @property
     def step_budget_bytes(self) -> int:

@@ -132,7 +132,9 @@ def plan_text(plan: Plan) -> str:
     lines = [
         f"memcompile plan {plan.graph_id}",
         f"  budget           {format_bytes(plan.budget_bytes)} ({plan.budget_bytes} B), "
-        f"reserve {format_bytes(plan.reserve_bytes)}, step budget {format_bytes(plan.step_budget_bytes)}",
+        f"reserve {format_bytes(plan.reserve_bytes)}"
+        + (f" (cuBLAS workspaces {format_bytes(plan.library_workspace_bytes)})" if plan.library_workspace_bytes else "")
+        + f", step budget {format_bytes(plan.step_budget_bytes)}",
         f"  predicted peak   {format_bytes(plan.predicted_peak_before_bytes)} -> "
         f"{format_bytes(plan.predicted_peak_bytes)}"
         f"{format_change(plan.predicted_peak_before_bytes, plan.predicted_peak_bytes)}"
@@ -244,6 +246,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
     if isinstance(data, str):
         data = json.loads(data)
     try:
+        data = {"library_workspace_bytes": 0, **data}  # files written before it was recorded
         _exact_keys(data, Plan.__dataclass_fields__, f"plan {data.get('graph_id', '?')}")
         return Plan(
             graph_id=str(data["graph_id"]),
@@ -262,6 +265,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             live_bytes_before=tuple(int(b) for b in data["live_bytes_before"]),
             live_bytes_after=tuple(int(b) for b in data["live_bytes_after"]),
             size_bounds=tuple((str(n), int(v)) for n, v in data.get("size_bounds", ())),
+            library_workspace_bytes=int(data["library_workspace_bytes"]),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error

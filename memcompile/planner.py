@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.cost_models.device import profile_for
+from memcompile.cost_models.device import profile_for, step_device
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.options import Options
 from memcompile.passes.activation_analysis import (
@@ -52,13 +52,6 @@ class _Attempt:
     forward: fx.GraphModule
     backward: fx.GraphModule
     timeline: LivenessTimeline
-
-
-def _device_of(joint_inputs) -> str:
-    for x in joint_inputs:
-        if isinstance(x, torch.Tensor):
-            return x.device.type
-    return "cpu"
 
 
 def _store_options(options: Options, device: str) -> StoreOptions:
@@ -176,7 +169,7 @@ def _plan_joint_graph(
     request: "PlanRequest | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     joint = tp.prepare_joint_graph(joint)
-    device = options.device or _device_of(joint_inputs)
+    device = options.device or step_device(joint_inputs)
     profile = profile_for(device)
     store = _store_options(options, device)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
@@ -221,6 +214,7 @@ def _plan_joint_graph(
         graph_id=graph_id,
         budget_bytes=options.budget_bytes,
         reserve_bytes=options.reserve_bytes,
+        library_workspace_bytes=options.library_workspace_bytes,
         predicted_peak_before_bytes=before.peak_bytes,
         predicted_peak_bytes=after.peak_bytes,
         peak_phase=after.peak_step.phase,
@@ -377,7 +371,7 @@ def _infeasible(options: Options, attempt: _Attempt, analysis: JointAnalysis) ->
     message = (
         f"memcompile: no plan fits the budget of {format_bytes(options.budget_bytes)} "
         f"({options.budget_bytes} bytes"
-        + (f", reserve {options.reserve_bytes}" if options.reserve_bytes else "")
+        + options.reserve_text()
         + f"). The smallest budget that works is {format_bytes(need)} (min_feasible_bytes={need}). "
         f"At its peak ({attempt.timeline.peak_step.phase} node {attempt.timeline.peak_step.node}): {parts}."
         + (f" Largest activations still kept by that plan: {tops}." if tops else "")
@@ -439,7 +433,7 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
         peak, steps, phase, node, breakdown = 0, (), "", "", ()
     plan = Plan(
         graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,
-        predicted_peak_before_bytes=peak, predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
+        library_workspace_bytes=options.library_workspace_bytes, predicted_peak_before_bytes=peak, predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
         peak_breakdown=breakdown, decisions=(), added_time_s=0.0,
         solver_status=f"stock_fallback ({type(error).__name__})", solve_s=0.0, gap=0.0,
         live_bytes_before=steps, live_bytes_after=steps,
