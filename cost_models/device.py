@@ -22,6 +22,8 @@ class DeviceProfile:
     # (used when torch.get_float32_matmul_precision() is not "highest"). 0: matmul_flops_per_s.
     float32_matmul_flops_per_s: float = 0.0
     tf32_matmul_flops_per_s: float = 0.0
+    # The share of a phase's compute time that host copies run behind (1: all of it).
+    copy_overlap: float = 1.0
 
     def matmul_rate(self, dtype: torch.dtype | None) -> float:
         """Dense matmul FLOP/s for results of `dtype`."""
@@ -34,13 +36,18 @@ class DeviceProfile:
         return rate if dtype == torch.float32 else rate / 2
 
 
-# Datasheet numbers (dense bf16 tensor-core FLOP/s, HBM bandwidth, PCIe/NVLink-C2C host link,
-# launch overhead, plain float32 and TF32 FLOP/s). The H200's host link is what pinned copies
-# measured on one (benchmarks/gpu_check.py: 55.3 GB/s device to host, 55.4 back), not PCIe 5's 64.
+# Datasheet numbers (dense bf16 tensor-core FLOP/s, HBM bandwidth, launch overhead, plain float32
+# and TF32 FLOP/s) and, for offload, what benchmarks/gpu_check.py measured on an H200:
+# - the host link as activation copies use it: 2 x offloaded bytes / summed copy time was 36.5 GB/s
+#   in both offload rows of the run (one 256 MiB pinned copy: 55 GB/s); A100 and H100 take the
+#   same 0.66 of their PCIe 4 / 5 rates;
+# - 13-24% of the copy time ran behind compute, about 0.15 of a step's compute time.
+_LINK_EFFICIENCY = 36.5 / 55
+_COPY_OVERLAP = 0.15
 DATASHEET_PROFILES = {
-    "a100": DeviceProfile("a100", 312e12, 2.0e12, 32e9, 5e-6, 19.5e12, 156e12),
-    "h100": DeviceProfile("h100", 989e12, 3.35e12, 64e9, 5e-6, 67e12, 494e12),
-    "h200": DeviceProfile("h200", 989e12, 4.8e12, 55e9, 5e-6, 67e12, 494e12),
+    "a100": DeviceProfile("a100", 312e12, 2.0e12, _LINK_EFFICIENCY * 32e9, 5e-6, 19.5e12, 156e12, _COPY_OVERLAP),
+    "h100": DeviceProfile("h100", 989e12, 3.35e12, _LINK_EFFICIENCY * 64e9, 5e-6, 67e12, 494e12, _COPY_OVERLAP),
+    "h200": DeviceProfile("h200", 989e12, 4.8e12, 36.5e9, 5e-6, 67e12, 494e12, _COPY_OVERLAP),
 }
 
 

@@ -374,8 +374,9 @@ def analyze_joint_graph(
         store_choices=tuple(store_choices) if any(store_choices) else (),
         created_at=tuple(created_at) if any(store_choices) else (),
         must_be_exact=tuple(must_be_exact) if any(store_choices) and any(must_be_exact) else (),
-        forward_compute_s=sum(step_time_s[:backward_start]),
-        backward_compute_s=sum(step_time_s[backward_start:]),
+        # Copies hide behind only part of the compute (profile.copy_overlap, measured).
+        forward_compute_s=profile.copy_overlap * sum(step_time_s[:backward_start]),
+        backward_compute_s=profile.copy_overlap * sum(step_time_s[backward_start:]),
     )
     return JointAnalysis(
         problem=problem,
