@@ -65,9 +65,9 @@ class Options:
     workers: int = 2  # CP-SAT workers; fixed with the seed so the same graph gives the same plan
     seed: int = 0
     quantize: tuple[str, ...] = ()  # lossy formats the user allows: "int8", "fp8", "bf16" (opt-in)
-    # Opt-in until an H200 run confirms the fix for a bf16 budget miss (docs/design.md); "auto" =
-    # where the device has its own memory (CUDA, XPU); True also on the CPU (tests the rewrite).
-    offload: bool | None = False
+    # None ("auto", the default): where the device has its own memory (CUDA, XPU); True also on the
+    # CPU (tests the rewrite: the copy stays in RAM); False: never.
+    offload: bool | None = None
     host_link_gbps: float | None = None  # device<->host GB/s for offload costs; None: the device profile's
     # Part of reserve_bytes: the matmul library's workspaces on the step's device (set by the
     # backend from the first graph's inputs; cost_models/device.py blas_workspace_bytes).
@@ -115,10 +115,10 @@ def make_options(limit: object, **overrides: object) -> Options:
         if not isinstance(val, int) or isinstance(val, bool) or val < (1 if key == "workers" else 0):
             raise ValueError(f"{key}={val!r}: expected an int {'>= 1' if key == 'workers' else '>= 0'}")
     quantize = _parse_quantize(overrides.pop("quantize", None))
-    offload = overrides.pop("offload", False)
+    offload = overrides.pop("offload", "auto")
     if offload not in (None, True, False, "auto"):
-        raise ValueError(f"offload={offload!r}: expected False (the default), 'auto' or None (where the device "
-                         "has its own memory), or True (always; on CPU only useful for testing)")
+        raise ValueError(f"offload={offload!r}: expected 'auto' or None (the default: where the device has its own "
+                         "memory), False (never), or True (always; on CPU only useful for testing)")
     link = overrides.pop("host_link_gbps", None)
     if link is not None and (isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 < link < math.inf):
         raise ValueError(f"host_link_gbps={link!r}: expected a positive number of GB/s (e.g. 25 for PCIe 4 x16) or None")
