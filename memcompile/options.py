@@ -116,7 +116,7 @@ def make_options(limit: object, **overrides: object) -> Options:
             raise ValueError(f"{key}={val!r}: expected an int {'>= 1' if key == 'workers' else '>= 0'}")
     quantize = _parse_quantize(overrides.pop("quantize", None))
     offload = overrides.pop("offload", "auto")
-    if offload not in (None, True, False, "auto"):
+    if not (offload is None or isinstance(offload, bool) or offload == "auto"):  # 1.0 == True: not a flag
         raise ValueError(f"offload={offload!r}: expected 'auto' or None (the default: where the device has its own "
                          "memory), False (never), or True (always; on CPU only useful for testing)")
     link = overrides.pop("host_link_gbps", None)

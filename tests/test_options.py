@@ -55,3 +55,21 @@ def test_budget_options_are_validated():
     backend = memcompile.budget("1GB", reserve="100MB", time_limit_s=2)
     assert backend.options.step_budget_bytes == 10**9 - 10**8
     assert not math.isnan(backend.options.time_limit_s)
+
+
+@pytest.mark.parametrize("given_value, device, offered", [
+    ("default", "cuda", True), ("default", "cpu", False), ("auto", "xpu", True), (None, "cpu", False),
+    (False, "cuda", False), (True, "cpu", True), (True, "cuda", True),
+])
+def test_offload_is_offered_where_the_device_has_its_own_memory_unless_told(given_value, device, offered):
+    from memcompile.options import make_options
+    from memcompile.planner import _store_options
+
+    options = make_options(10**9) if given_value == "default" else make_options(10**9, offload=given_value)
+    assert _store_options(options, device).offload is offered
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.0, "host", 0.5])
+def test_offload_rejects_other_values_naming_the_option(bad):
+    with pytest.raises(ValueError, match="offload="):
+        memcompile.budget("1GB", offload=bad)
