@@ -13,7 +13,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
@@ -55,7 +54,7 @@ class _Attempt:
 
 
 def _store_options(options: Options, device: str) -> StoreOptions:
-    """What the solver may offer besides keep/recompute. Offload (opt-in) with "auto" only where
+    """What the solver may offer besides keep/recompute. Offload ("auto", the default) only where
     the device has memory of its own; forced on elsewhere (a test switch) its copies stay there."""
     has_own_memory = device.startswith(("cuda", "xpu"))
     offload = has_own_memory if options.offload is None else options.offload
@@ -433,7 +432,8 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
         peak, steps, phase, node, breakdown = 0, (), "", "", ()
     plan = Plan(
         graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,
-        library_workspace_bytes=options.library_workspace_bytes, predicted_peak_before_bytes=peak, predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
+        library_workspace_bytes=options.library_workspace_bytes, predicted_peak_before_bytes=peak,
+        predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
         peak_breakdown=breakdown, decisions=(), added_time_s=0.0,
         solver_status=f"stock_fallback ({type(error).__name__})", solve_s=0.0, gap=0.0,
         live_bytes_before=steps, live_bytes_after=steps,

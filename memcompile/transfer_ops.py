@@ -61,9 +61,8 @@ def copy_to_host(x: torch.Tensor) -> torch.Tensor:
 
 @copy_to_host.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cuda":
-        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-    return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
+    host = "cpu" if x.device.type == "cuda" else x.device  # off CUDA the "host" copy stays where x is
+    return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=host)
 
 
 @torch.library.custom_op("memcompile::copy_to_device", mutates_args=())
