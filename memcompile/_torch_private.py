@@ -388,4 +388,22 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
                    if k.index in generated_kernels else k
                    for k in kernels]
-    return InductorSchedule(tuple(kernels), tuple(outputs))
+        peak_estimate = _inductor_peak_estimate(graph)
+    return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate)
+
+
+def _inductor_peak_estimate(graph) -> tuple[tuple[int, ...], int]:
+    """Inductor's own memory estimate of its schedule, per scheduler node and overall
+    (torch/_inductor/memory.py estimate_peak_memory): its wrapper reuses a freed buffer for a
+    later allocation only where this estimate says the reuse does not raise its peak
+    (codegen/wrapper.py AllocateLine.should_reuse_buffer). ((), 0) where it cannot be computed."""
+    from torch._inductor.memory import estimate_peak_memory, get_freeable_input_buf
+    from torch.utils._ordered_set import OrderedSet
+
+    try:
+        nodes = graph.scheduler.nodes
+        freeable = get_freeable_input_buf(nodes, OrderedSet(graph.graph_inputs.keys()))
+        overall, by_node = estimate_peak_memory(nodes, freeable, OrderedSet(graph.get_output_names()))
+    except Exception:  # noqa: BLE001 - an estimate we only follow; without it every reuse is assumed
+        return (), 0
+    return tuple(int(b) for b in by_node), int(overall)

@@ -40,3 +40,7 @@ class ScheduledKernel:
 class InductorSchedule:
     kernels: tuple[ScheduledKernel, ...]
     outputs: tuple[str | None, ...]  # per FX output argument: the storage it is (None: not a tensor)
+    # Inductor's own memory estimate per kernel and its maximum: what its wrapper decides buffer
+    # reuse by (empty: unknown, every reuse is assumed).
+    peak_estimate: tuple[int, ...] = ()
+    overall_peak_estimate: int = 0

@@ -275,12 +275,12 @@ def _in_place_donors(nodes: list[fx.Node], roots: dict, fused: _Fusion) -> dict[
 
 def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
                storages: dict[str, _Storage], record, donors: dict[fx.Node, list[str]] | None = None,
-               allocates: frozenset = frozenset()) -> None:
+               allocates: frozenset = frozenset(), estimate: tuple[tuple[int, ...], int] | None = None) -> None:
     """Walk one graph: allocate what each node creates (in place of a dying storage it may
     overwrite, see _in_place_donors; in a freed storage kept for reuse, see _pool_reuses),
     record the step, free what is done."""
     donors = donors or {}
-    reuses = _pool_reuses(nodes, creates, dict(live), storages, donors, allocates) if allocates else {}
+    reuses = _pool_reuses(nodes, creates, dict(live), storages, donors, allocates, estimate) if allocates else {}
     held_until = {old: step for old, (step, _new) in reuses.items()}
     taken_by = {new: old for old, (_step, new) in reuses.items()}
     for step, node in enumerate(nodes):
@@ -324,7 +324,7 @@ def _take_in_place(node, step: int, created, live: dict[str, _Storage], storages
 
 def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
                  storages: dict[str, _Storage], donors: dict[fx.Node, list[str]],
-                 allocates: frozenset) -> dict[str, tuple[int, str]]:
+                 allocates: frozenset, estimate: tuple[tuple[int, ...], int] | None = None) -> dict[str, tuple[int, str]]:
     """Inductor's wrapper does not free a dead buffer that a later allocation of the same dtype
     and size reuses (codegen/wrapper.py: FreeIfNotReusedLine, a LIFO pool per reuse key): its
     memory stays allocated until that allocation. Returns {freed storage: (step, storage that
@@ -333,10 +333,13 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
     mm/addmm/bmm writing into `out=`), not library kernels that allocate their own.
 
     Inductor reuses only when the two are adjacent or when holding the buffer keeps its own
-    estimate of the graph's peak (`should_reuse_buffer`), an estimate that is not ours: on Llama
-    it held six dead 688 KiB buffers across our predicted peak. Every pop is taken here: more
-    held memory than Inductor's choice in every run we measured."""
-    pool: dict[tuple, list[str]] = {}
+    estimate of the graph's peak (`should_reuse_buffer`); on Llama it held six dead 688 KiB
+    buffers across our predicted peak. `estimate` is that estimate (per step, overall: Inductor's
+    schedule, see _inductor_would_reuse); without it every pop is taken, which held more memory
+    than Inductor's choice in every run we measured."""
+    pool: dict[tuple, list[tuple[str, int]]] = {}  # reuse key -> [(freed storage, step it died)]
+    # per kernel, plus one entry past the last (torch/_inductor/memory.py peak_memory_from_buf_info_list)
+    held = list(estimate[0]) if estimate and len(estimate[0]) >= len(nodes) else None
     reuses: dict[str, tuple[int, str]] = {}
     for step, node in enumerate(nodes):
         created = creates.get(node, ())
@@ -345,13 +348,31 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
             new = storages[key]
             bucket = pool.get((new.dtype, new.nbytes))
             if node in allocates and key not in taken and bucket:
-                reuses[bucket.pop()] = (step, key)
+                old, freed_at = bucket.pop()
+                if held is None or _inductor_would_reuse(held, estimate[1], freed_at, step, new.nbytes):
+                    reuses[old] = (step, key)
+                else:
+                    bucket.append((old, freed_at))  # Inductor puts it back and allocates anew
             live[key] = new
         for key in [k for k, s in live.items() if not s.pinned and s.last_step <= step]:
             old = live.pop(key)
             if not old.user_visible and not old.from_input and old.category in (TEMPORARY, SAVED) and old.nbytes:
-                pool.setdefault((old.dtype, old.nbytes), []).append(key)
+                pool.setdefault((old.dtype, old.nbytes), []).append((key, step))
     return reuses
+
+
+def _inductor_would_reuse(held: list[int], overall: int, freed_at: int, step: int, nbytes: int) -> bool:
+    """Inductor's wrapper rule (codegen/wrapper.py AllocateLine.should_reuse_buffer): a buffer
+    freed after kernel `freed_at` is reused by an allocation at kernel `step` when the two are
+    adjacent, or when holding it in between keeps Inductor's estimate (`held`, per kernel) within
+    its overall peak; a reuse raises the estimate in between by the buffer's size."""
+    if freed_at + 1 == step:
+        return True
+    if nbytes + max(held[freed_at + 1:step], default=0) > overall:
+        return False
+    for i in range(freed_at + 1, step):
+        held[i] += nbytes
+    return True
 
 
 def _dtype_of(key: str, creator: fx.Node) -> object:
@@ -423,7 +444,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
                 if donor in key_of and result in key_of and key_of[result] in creates[k]:
                     donors.setdefault(k, {}).setdefault(key_of[result], []).append(key_of[donor])
         allocates = frozenset(k for k in kernels if k.wrapper_allocates)
-        _run_phase(phase, kernels, creates, live, storages, lambda ph, k: record(ph, k, graph), donors, allocates)
+        _run_phase(phase, kernels, creates, live, storages, lambda ph, k: record(ph, k, graph), donors, allocates,
+                   (schedule.peak_estimate, schedule.overall_peak_estimate))
 
     # ---- forward
     def fw_input(node: fx.Node) -> str:
