@@ -324,7 +324,8 @@ def _take_in_place(node, step: int, created, live: dict[str, _Storage], storages
 
 def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
                  storages: dict[str, _Storage], donors: dict[fx.Node, list[str]],
-                 allocates: frozenset, estimate: tuple[tuple[int, ...], int] | None = None) -> dict[str, tuple[int, str]]:
+                 allocates: frozenset,
+                 estimate: tuple[tuple[int, ...], int] | None = None) -> dict[str, tuple[int, str]]:
     """Inductor's wrapper does not free a dead buffer that a later allocation of the same dtype
     and size reuses (codegen/wrapper.py: FreeIfNotReusedLine, a LIFO pool per reuse key): its
     memory stays allocated until that allocation. Returns {freed storage: (step, storage that
