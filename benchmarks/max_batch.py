@@ -124,6 +124,17 @@ def largest_fitting(fits, start: int, limit: int, rel_tol: float = 0.0) -> tuple
     return lo, probed
 
 
+def probe_result(p: dict) -> str:
+    """yes; no (measured peak over the budget); infeasible (min_feasible_bytes); timeout; crashed."""
+    if p.get("fits"):
+        return "yes"
+    if p.get("status") == "ok":  # ran, but its measured peak is over the budget
+        return f"no ({p['peak_bytes'] / 2**20:.2f} MiB)"
+    if p.get("status") == "infeasible" and p.get("min_feasible_bytes"):
+        return f"infeasible (min {p['min_feasible_bytes'] / 2**20:.2f} MiB)"
+    return str(p.get("status"))
+
+
 def markdown(rows: list[dict], args: argparse.Namespace, budget: int, base: dict) -> str:
     plain = next((r["max"] for r in rows if r["method"] == "inductor"), None)
     out = [f"# Largest {args.dim} within a fixed budget: {args.model} ({args.size})\n",
@@ -142,7 +153,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, budget: int, base: dict
         ff = r.get("first_failing")
         bound = "" if ff in (None, r["max"] + 1) else f" (< {ff})"
         out.append(f"| {r['label']} | {r['max']}{bound} | {ratio} | {'-' if peak is None else f'{peak / 2**20:.2f}'} | "
-                   + ", ".join(f"{p['value']}: {'yes' if p.get('fits') else p.get('status')}" for p in r["probes"]) + " |")
+                   + ", ".join(f"{p['value']}: {probe_result(p)}" for p in r["probes"]) + " |")
     out.append("\nfits = compiled and ran without InfeasibleBudgetError, and measured peak (memcompile.measure_peak)"
                " <= budget. Targets: memcompile lossless >= 2x plain Inductor, with int8 >= 3x.")
     return "\n".join(out)

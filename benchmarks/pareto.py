@@ -351,7 +351,10 @@ def acceptance(recs: list[dict], noise: float) -> dict:
     pairs = []
     for p in pt:
         def matches(r: dict) -> bool:  # the run at this peak, or at a peak shared with it
-            return p["peak_bytes"] / (1 + SAME_PEAK) <= r["budget"] <= p["peak_bytes"] and "= peak of" in r.get("why", "")
+            # (or memcompile's floor run, when a shared group's lowest peak fell below the floor)
+            why = r.get("why", "")
+            return (p["peak_bytes"] / (1 + SAME_PEAK) <= r["budget"] <= p["peak_bytes"]
+                    and ("= peak of" in why or why == "min_feasible_bytes"))
 
         m = next((r for r in mc if matches(r)), None)
         if m is None:

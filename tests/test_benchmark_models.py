@@ -72,3 +72,27 @@ def test_max_batch_search_finds_the_largest_fitting_size(start: int, largest: in
     found, probed = largest_fitting(lambda n: n <= largest, start, limit=256)
     assert found == min(largest, 256)
     assert len(probed) == len(set(probed)) <= 20  # no size probed twice (each probe is a compile)
+
+
+@pytest.mark.parametrize("floor_mib", [10.5, 10.64, 10.7, 10.9])
+def test_pareto_pairs_a_pytorch_peak_with_the_floor_run_when_its_group_fell_below_the_floor(floor_mib: float) -> None:
+    """Peaks within 3% share one memcompile run at the group's lowest; when that lowest is below
+    memcompile's floor the run is skipped, and a member above the floor must be compared with the
+    run at the floor (a budget <= its peak) instead of being reported as missing."""
+    from pareto import acceptance
+
+    mib = 2**20
+    common = {"status": "ok", "step_ratio": 1.0, "noise_ratio": 1.0, "baseline_step_s": 0.03, "budget_ok": True}
+    recs = [{**common, "kind": "inductor", "peak_bytes": int(12.17 * mib)},
+            {**common, "kind": "inductor_amb", "fraction": 0.8, "peak_bytes": int(10.47 * mib)},
+            {**common, "kind": "inductor_amb", "fraction": 0.4, "peak_bytes": int(10.72 * mib)},
+            {"kind": "memcompile", "budget": 1, "status": "infeasible", "min_feasible_bytes": int(floor_mib * mib)},
+            {**common, "kind": "memcompile", "budget": int(floor_mib * mib), "why": "min_feasible_bytes",
+             "peak_bytes": int(8.85 * mib)}]
+    pairs = {p["pytorch"]: p for p in acceptance(recs, 0.05)["pairs"]}
+    amb04 = pairs["inductor amb=0.4"]
+    if floor_mib * mib <= int(10.72 * mib) and floor_mib >= 10.72 / 1.03:
+        assert amb04["mc_peak"] == int(8.85 * mib) and amb04["as_fast"]
+    else:
+        assert "mc_peak" not in amb04
+    assert "mc_peak" not in pairs["inductor amb=0.8"]  # its peak is below the floor: no run may stand in
