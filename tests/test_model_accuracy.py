@@ -7,6 +7,8 @@ budget we report and makes plans recompute what they need not.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,3 +74,36 @@ def test_least_peak_plan_is_modelled_close_to_its_check(monkeypatch):
         modelled = max(step_loads(analysis.problem, *solution.decisions))
         largest_output = max(analysis.problem.nbytes)
         assert modelled <= timeline.peak_bytes + largest_output
+
+
+def test_the_smallest_budget_is_never_above_the_keep_all_check(monkeypatch):
+    """min_feasible_bytes is the least checked peak of the plans tried, keep-all included. Where
+    every recomputation raises the real peak (ResNet small under Inductor: recomputed convolutions
+    bring their workspaces into the backward), the least-peak search ends above keeping
+    everything: 4.27 MiB reported, 3.91 checked for keep-all. Simulated: every checked plan but
+    the first (keep-all) is made to peak 1 MiB higher."""
+    original = planner._rewrite_and_check
+    checked = []
+
+    def inflated(*args, **kwargs):
+        attempt = original(*args, **kwargs)
+        checked.append(attempt)
+        if len(checked) == 1:
+            return attempt
+        timeline = dataclasses.replace(attempt.timeline, peak_bytes=attempt.timeline.peak_bytes + 2**20)
+        return dataclasses.replace(attempt, timeline=timeline)
+
+    monkeypatch.setattr(planner, "_rewrite_and_check", inflated)
+    torch.compiler.reset()
+    model, x = MLP(32, 3), torch.randn(16, 32)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as error:
+        torch.compile(model, backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5))(x).sum().backward()
+    keep_all = checked[0].timeline.peak_bytes
+    assert len(checked) > 1  # the least-peak search ran
+    assert error.value.min_feasible_bytes == keep_all
+    # ... and that budget is met: keep-all fits it.
+    monkeypatch.setattr(planner, "_rewrite_and_check", original)
+    torch.compiler.reset()
+    backend = memcompile.budget(keep_all, codegen="aot_eager", time_limit_s=5)
+    torch.compile(model, backend=backend)(x).sum().backward()
+    assert backend.plans[0].predicted_peak_bytes == keep_all
