@@ -92,23 +92,6 @@ def profile_for(device: str | torch.device | None) -> DeviceProfile:
     return measure_cpu_profile()
 
 
-def step_device(inputs: object) -> str:
-    """The accelerator a step runs on: the type of the first non-CPU tensor among `inputs`
-    (nested as AOTAutograd passes them, (primals, tangents)), else "cpu". A CPU scalar input (a
-    seed, a step count) beside device tensors does not make the step a CPU one."""
-    pending = [inputs]
-    while pending:
-        x = pending.pop(0)
-        if isinstance(x, torch.Tensor):
-            if x.device.type != "cpu":
-                return x.device.type
-        elif isinstance(x, (list, tuple)):
-            pending[:0] = x
-        elif isinstance(x, dict):
-            pending[:0] = x.values()
-    return "cpu"
-
-
 # cuBLAS handles are per thread: the forward runs on the caller's thread, the backward on
 # autograd's device thread, and PyTorch keeps one workspace per (handle, stream).
 BLAS_HANDLES_PER_STEP = 2

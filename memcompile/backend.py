@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.cost_models.device import blas_workspace_bytes, step_device
+from memcompile.cost_models.device import blas_workspace_bytes
+from memcompile.passes.graph_facts import step_device
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.cost_models.device import profile_for, step_device
+from memcompile.cost_models.device import profile_for
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.options import Options
 from memcompile.passes.activation_analysis import (
@@ -25,6 +25,7 @@ from memcompile.passes.activation_analysis import (
     JointAnalysis,
     analyze_joint_graph,
 )
+from memcompile.passes.graph_facts import step_device
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness, analyze_scheduled_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.stored_forms import StoreOptions

@@ -82,13 +82,26 @@ def effective_reads(node: fx.Node, inlined: frozenset | set, either: frozenset |
     return out
 
 
-def graph_device_type(gm: fx.GraphModule) -> str:
-    """The device type of the graph's first tensor ("cpu" when it has none)."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return val.device.type
+def step_device(inputs: object) -> str:
+    """The accelerator a step runs on: the type of the first non-CPU tensor among `inputs`
+    (nested as AOTAutograd passes them, (primals, tangents)), else "cpu". A CPU scalar input (a
+    seed, a step count) beside device tensors does not make the step a CPU one."""
+    pending = [inputs]
+    while pending:
+        x = pending.pop(0)
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                return x.device.type
+        elif isinstance(x, (list, tuple)):
+            pending[:0] = x
+        elif isinstance(x, dict):
+            pending[:0] = x.values()
     return "cpu"
+
+
+def graph_device_type(gm: fx.GraphModule) -> str:
+    """The device type of the graph's tensors (see step_device; "cpu" when it has none)."""
+    return step_device([node.meta.get("val") for node in gm.graph.nodes])
 
 
 def _needs_dense_input(node: fx.Node) -> bool:
