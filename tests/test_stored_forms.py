@@ -362,8 +362,19 @@ def test_int8_training_tracks_the_lossless_loss_curve():
     backend, step = compiled_loss(probe, 1, quantize="int8")
     with pytest.raises(memcompile.InfeasibleBudgetError) as info:
         step(x)
-    budget = (info.value.min_feasible_bytes + free) // 2
-    lossless, _ = train(budget)
+    # The tightest budgets leave the solver no cheaper way than int8 storage (where recomputing
+    # is cheaper it recomputes instead): train at the first of a ladder whose plan quantizes.
+    low = info.value.min_feasible_bytes
+    ladder = [low + (free - low) * k // 8 for k in range(8)]
+
+    def quantizes(limit):
+        backend, step = compiled_loss(probe, limit, quantize="int8")
+        step(x)
+        return any(d.choice == "quantize" for p in backend.plans for d in p.decisions)
+
+    budget = next((b for b in ladder if quantizes(b)), None)
+    assert budget is not None, f"no budget in {ladder} made int8 worth it"
+    lossless, _ = train(free)  # the unquantized curve (int8's budget may be below lossless's floor)
     lossy, backend = train(budget, quantize="int8")
     assert any(d.choice == "quantize" for p in backend.plans for d in p.decisions), memcompile.dump(backend)
     assert lossy[-1] < 0.5 * lossy[0]  # it trains
