@@ -745,6 +745,165 @@ def _covering_lp_bound(problem: RematProblem, rows: list[tuple[int, dict[tuple[i
     return max(0.0, value * (1 - 1e-9))
 
 
+
+def input_aware_cover_bound(
+    problem: RematProblem, budget: int, time_limit_s: float = 5.0, rows_per_round: int = 8, max_rows: int = 48
+) -> float:
+    """Lower bound on cost that also charges the inputs of recomputations (LP relaxation).
+
+    `segment_cover_bound` lets a tensor x, idle at an over-budget first computation t, leave
+    memory for the price of one recomputation before its next reader r. But that recomputation
+    runs after t, with every input u of x resident; an input that no first computation at or
+    after t reads (last reader before t) is then resident at t as well, adding its bytes to t's
+    load, or it is computed again after its last reader (a recomputation no segment counts).
+    Variables in [0, 1]: y[x, r] (x computed again between its readers around r, cost[x]),
+    s[x, t] (x not resident at t; s <= y), k[u, t] (u resident at t after its last reader),
+    z[u] (u computed again after its last reader, cost[u]). Rows, per chosen t: bytes relieved
+    >= excess + bytes of the k[u, t]; s[x, t] <= k[u, t] + z[u] for such inputs u. Every schedule
+    under the budget gives a 0/1 point with recomputation cost at least the objective, and any
+    subset of the rows is a relaxation too. The LP over all over-budget rows is too slow at 1000
+    nodes, so rows are added by rounds (cutting planes): start from a few spread over the order,
+    then add the rows the LP's current y and z violate most, until `time_limit_s` or `max_rows`.
+    Never returns inf (`segment_cover_bound` detects budgets nothing fits).
+    """
+    started = time.monotonic()
+    capacity = budget - problem.static_bytes
+    size, cost = problem.size, problem.cost
+    readers = [sorted(s) for s in problem.succs]
+    last_use = [max(s, default=v) for v, s in enumerate(problem.succs)]
+    demands = _first_compute_demand(problem)
+    # Per over-budget row: its excess and, per idle tensor, (x, next reader, inputs dead at t).
+    rows: dict[int, tuple[int, list[tuple[int, int, list[int]]]]] = {}
+    for t, (mandatory, live) in enumerate(demands):
+        excess = mandatory + sum(size[x] for x in live) - capacity
+        if excess > 0:
+            idle = [
+                (x, readers[x][bisect.bisect_right(readers[x], t)], [u for u in problem.preds[x] if last_use[u] < t and size[u] > 0])
+                for x in live
+                if problem.recomputable[x] and size[x] > 0
+            ]
+            rows[t] = (excess, idle)
+    if not rows:
+        return float(sum(cost))
+    lp = _LowerBoundLp()
+    chosen = _spread(sorted(rows), rows_per_round)
+    best = 0.0
+    while True:
+        for t in chosen:
+            _add_input_aware_row(lp, problem, t, *rows[t])
+        remaining = time_limit_s - (time.monotonic() - started)
+        if remaining <= 0:
+            break
+        best = max(best, lp.lower_bound(remaining))
+        if lp.solution is None or len(lp.added_rows) >= max_rows:
+            break
+        violation = {t: _input_aware_violation(lp, problem, t, *rows[t]) for t in rows if t not in lp.added_rows}
+        chosen = sorted((t for t in violation if violation[t] > 0), key=lambda t: -violation[t])[:rows_per_round]
+        if not chosen:
+            break
+    return sum(cost) + best
+
+
+def _add_input_aware_row(
+    lp: "_LowerBoundLp", problem: RematProblem, t: int, excess: int, idle: list[tuple[int, int, list[int]]]
+) -> None:
+    relief: dict[object, float] = {}
+    for x, next_reader, dead_inputs in idle:
+        y = lp.var(("y", x, next_reader), problem.cost[x])
+        if not dead_inputs:  # s[x, t] = y[x, r] is as good as any smaller s: no s variable
+            relief[y] = relief.get(y, 0.0) + problem.size[x]
+            continue
+        s = lp.var(("s", x, t), 0.0)
+        lp.at_least({y: 1.0, s: -1.0}, 0.0)
+        relief[s] = float(problem.size[x])
+        for u in dead_inputs:
+            k = lp.var(("k", u, t), 0.0)
+            relief[k] = -float(problem.size[u])
+            lp.at_least({k: 1.0, **_recomputed_late(lp, problem, u), s: -1.0}, 0.0)
+    lp.at_least(relief, float(excess))
+    lp.added_rows.add(t)
+
+
+def _input_aware_violation(
+    lp: "_LowerBoundLp", problem: RematProblem, t: int, excess: int, idle: list[tuple[int, int, list[int]]]
+) -> float:
+    """How far row t is from holding at the LP's current y, z (s = y, k as small as allowed)."""
+    relief = 0.0
+    kept: dict[int, float] = {}
+    for x, next_reader, dead_inputs in idle:
+        s = lp.value(("y", x, next_reader))
+        relief += problem.size[x] * s
+        for u in dead_inputs:
+            z = lp.value(("z", u)) if problem.recomputable[u] else 0.0
+            kept[u] = max(kept.get(u, 0.0), s - z)
+    return excess - relief + sum(problem.size[u] * k for u, k in kept.items())
+
+
+def _recomputed_late(lp: "_LowerBoundLp", problem: RematProblem, u: int) -> dict[object, float]:
+    """z[u] (u computed again after its last reader) where u may be recomputed at all."""
+    return {lp.var(("z", u), problem.cost[u]): 1.0} if problem.recomputable[u] else {}
+
+
+def _spread(items: Sequence[int], limit: int) -> list[int]:
+    """At most `limit` items, evenly spaced (first and last included)."""
+    if len(items) <= limit:
+        return list(items)
+    if limit <= 1:
+        return list(items[:limit])
+    return sorted({items[round(i * (len(items) - 1) / (limit - 1))] for i in range(limit)})
+
+
+class _LowerBoundLp:
+    """min c.x over 0 <= x <= 1 subject to rows a.x >= b, grown between solves.
+
+    GLOP solves it; the bound returned is the Lagrangian value of its row duals clipped at 0
+    (any duals >= 0 give a valid bound by weak duality), so solver tolerances or a time-out
+    cannot make it overshoot the LP optimum.
+    """
+
+    def __init__(self) -> None:
+        from ortools.linear_solver import pywraplp  # installed with ortools; only the bounds use it
+
+        self._pywraplp = pywraplp
+        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        self.cost: dict[object, float] = {}
+        self.vars: dict[object, object] = {}
+        self.rows: list[tuple[object, dict[object, float], float]] = []
+        self.added_rows: set[int] = set()
+        self.solution: dict[object, float] | None = None
+
+    def var(self, key: object, cost: float) -> object:
+        if key not in self.vars:
+            self.cost[key] = float(cost)
+            self.vars[key] = self.solver.NumVar(0.0, 1.0, "")
+        return key
+
+    def value(self, key: object) -> float:
+        return 0.0 if self.solution is None else self.solution.get(key, 0.0)
+
+    def at_least(self, coefs: dict[object, float], rhs: float) -> None:
+        constraint = self.solver.Add(self.solver.Sum([a * self.vars[k] for k, a in coefs.items()]) >= rhs)
+        self.rows.append((constraint, coefs, rhs))
+
+    def lower_bound(self, time_limit_s: float) -> float:
+        solver = self.solver
+        solver.SetTimeLimit(max(1, int(1000 * time_limit_s)))
+        solver.Minimize(solver.Sum([c * self.vars[k] for k, c in self.cost.items() if c]))
+        self.solution = None
+        if solver.Solve() not in (self._pywraplp.Solver.OPTIMAL, self._pywraplp.Solver.FEASIBLE):
+            return 0.0
+        self.solution = {k: v.solution_value() for k, v in self.vars.items()}
+        reduced = dict(self.cost)
+        value = 0.0
+        for constraint, coefs, rhs in self.rows:
+            dual = max(0.0, constraint.dual_value())
+            if dual:
+                value += dual * rhs
+                for k, a in coefs.items():
+                    reduced[k] -= dual * a
+        value += sum(min(0.0, r) for r in reduced.values())
+        return max(0.0, value * (1 - 1e-9))
+
 def proven_cost_bound(problem: RematProblem, budget: int, time_limit_s: float = 1.0, stages: int = 3) -> float:
     """Lower bound on the cost of every schedule under `budget` (inf: no schedule fits).
 
