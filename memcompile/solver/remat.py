@@ -788,13 +788,16 @@ def input_aware_cover_bound(
     lp = _LowerBoundLp()
     chosen = _spread(sorted(rows), rows_per_round)
     best = 0.0
+    last_round_s = 0.0
     while True:
         for t in chosen:
             _add_input_aware_row(lp, problem, t, *rows[t])
         remaining = time_limit_s - (time.monotonic() - started)
-        if remaining <= 0:
+        if remaining <= 1.5 * last_round_s:  # a larger LP than the last one would not finish
             break
+        round_started = time.monotonic()
         best = max(best, lp.lower_bound(remaining))
+        last_round_s = time.monotonic() - round_started
         if lp.solution is None or len(lp.added_rows) >= max_rows:
             break
         violation = {t: _input_aware_violation(lp, problem, t, *rows[t]) for t in rows if t not in lp.added_rows}
@@ -1156,7 +1159,9 @@ def solve_remat(
 ) -> RematResult:
     """Cheapest schedule with peak <= budget (within the formulation), best found in time.
 
-    Every returned schedule has been replayed by `simulate` and fits the budget.
+    Every returned schedule has been replayed by `simulate` and fits the budget. The
+    input-aware bound (`input_aware_cover_bound`) is computed beside the search, in a forked
+    process where the platform allows (its LP holds the GIL), and raises the reported bounds.
     """
     started = time.monotonic()
     # Keep a little time for replaying and emitting the schedule after the search.
@@ -1164,6 +1169,31 @@ def solve_remat(
     peak_lb = peak_lower_bound(problem)
     if budget < peak_lb:
         return _no_schedule("infeasible", peak_lb, started)
+    bound = _BoundBesideSearch(problem, budget, deadline)
+    try:
+        result = _search(
+            problem, budget, time_limit_s, workers, seed, relative_gap, max_computations, substeps, started, deadline
+        )
+        if not result.has_schedule:
+            return result
+        return _with_better_bound(result, bound.result(deadline), started)
+    finally:
+        bound.stop()
+
+
+def _search(
+    problem: RematProblem,
+    budget: int,
+    time_limit_s: float,
+    workers: int,
+    seed: int,
+    relative_gap: float,
+    max_computations: int | None,
+    substeps: int | None,
+    started: float,
+    deadline: float,
+) -> RematResult:
+    peak_lb = peak_lower_bound(problem)
     proven = proven_cost_bound(problem, budget, time_limit_s=_BOUND_SHARE * time_limit_s)
     if math.isinf(proven):  # some first computation cannot fit: the least peak exceeds the budget
         return _no_schedule("infeasible", budget + 1, started)
@@ -1201,6 +1231,79 @@ def solve_remat(
         return _with_schedule(problem, fallback, max(lower, proven), proven, "timeout_fallback", started)
     status = "infeasible_in_model" if outcome.status == "infeasible" else "no_schedule"
     return _event_level_fallback(problem, budget, proven, peak_lb, status, deadline, seed, started)
+
+
+def _with_better_bound(result: RematResult, bound: float, started: float) -> RematResult:
+    """Raise the result's bounds to `bound` (valid for every schedule); proven optimal when it
+    reaches the cost."""
+    if bound <= result.proven_lower_bound:
+        return result
+    proven = min(bound, result.cost)
+    lower = max(result.lower_bound, proven)
+    closed = proven >= result.cost * (1 - 1e-9)
+    return dataclasses.replace(
+        result,
+        lower_bound=lower,
+        proven_lower_bound=proven,
+        gap=0.0 if result.cost == 0 else max(0.0, (result.cost - lower) / result.cost),
+        status="optimal" if closed else result.status,
+        solve_s=time.monotonic() - started,
+    )
+
+
+class _BoundBesideSearch:
+    """`input_aware_cover_bound` in a forked process until `deadline`, beside the schedule search.
+
+    GLOP holds the GIL, so a thread would stall the (pure Python) greedy and repair searches;
+    the process uses the second core. Without fork (or for graphs whose LP is small) it runs
+    inline, with a short time limit. `result` waits for it until `deadline` at most.
+    """
+
+    def __init__(self, problem: RematProblem, budget: int, deadline: float) -> None:
+        import multiprocessing
+
+        self.value = 0.0
+        self._process = None
+        self._conn = None
+        limit = 0.9 * (deadline - time.monotonic())  # room to send the value back before the deadline
+        if problem.n <= _INLINE_BOUND_NODES or "fork" not in multiprocessing.get_all_start_methods():
+            self.value = input_aware_cover_bound(problem, budget, time_limit_s=_INLINE_BOUND_SHARE * limit)
+            return
+        context = multiprocessing.get_context("fork")
+        self._conn, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_send_bound, args=(sender, problem, budget, limit), daemon=True)
+        self._process.start()
+        sender.close()
+
+    def result(self, deadline: float) -> float:
+        if self._process is not None and self._conn.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                self.value = max(self.value, float(self._conn.recv()))
+            except (EOFError, OSError):
+                pass
+        self.stop()
+        return self.value
+
+    def stop(self) -> None:
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.terminate()
+            self._process.join()
+            self._conn.close()
+            self._process = None
+
+
+def _send_bound(sender, problem: RematProblem, budget: int, time_limit_s: float) -> None:
+    try:
+        sender.send(input_aware_cover_bound(problem, budget, time_limit_s=time_limit_s))
+    finally:
+        sender.close()
+
+
+# Graphs up to this many nodes compute the input-aware bound inline (its LP takes well under a
+# second there), with this share of the time limit at most.
+_INLINE_BOUND_NODES = 150
+_INLINE_BOUND_SHARE = 0.1
 
 
 def _event_level_fallback(
