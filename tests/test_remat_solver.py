@@ -560,3 +560,65 @@ def test_event_level_fallback_returns_valid_schedules_above_the_proven_bound(p: 
     peak, cost = replay(p, result.schedule)
     assert peak <= budget and (peak, cost) == (result.peak, result.cost)
     assert c0 - 1e-9 <= result.proven_lower_bound <= cost + 1e-9
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.one_of(dags(min_n=6, max_n=30), skip_chains(max_n=14)), data=st.data())
+def test_freeing_early_keeps_schedules_valid_and_never_raises_the_peak(p: RematProblem, data) -> None:
+    import time
+
+    from memcompile.solver import remat as R
+    from memcompile.solver.remat_events import free_early
+
+    # Stage-grid schedules (a stage's frees after all its computations), with recomputations.
+    p0, c0 = replay(p, baseline_schedule(p))
+    capacity = data.draw(st.integers(min(peak_lower_bound(p), p0), p0), label="capacity")
+    grid = R._make_grid(p, data.draw(st.sampled_from([None, 2])), 3)
+    plan = R._greedy_computes(p, grid, capacity, time.monotonic() + 5, True)
+    if plan is None:
+        return
+    schedule = R._schedule_from_intervals(R._intervals_from_computes(p, plan))
+    peak, cost = replay(p, schedule)
+    early = free_early(p, schedule)
+    new_peak, new_cost = replay(p, early)
+    event("peak lowered" if new_peak < peak else "same peak")
+    assert new_peak <= peak and new_cost <= cost
+
+
+def test_free_early_drops_a_recomputation_nothing_reads() -> None:
+    from memcompile.solver.remat_events import free_early
+
+    p = RematProblem(("a", "b", "c"), ((), (0,), (1,)), (4, 1, 1), (2, 3, 3))
+    schedule = (
+        ("compute", 0), ("compute", 1), ("free", 0), ("compute", 0), ("compute", 2),
+        ("free", 1), ("free", 0), ("free", 2),
+    )  # fmt: skip
+    assert replay(p, schedule) == (8, 10)
+    early = free_early(p, schedule)
+    assert replay(p, early) == (6, 6)  # 0 recomputed for nothing; 1 freed right after 2 reads it
+    assert early == (("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("free", 1), ("free", 2))
+
+
+def _random_layered(n: int, seed: int) -> RematProblem:
+    import random
+
+    rng = random.Random(seed)
+    preds = [tuple(sorted(rng.sample(range(v), min(v, rng.randint(1, 4))))) if v else () for v in range(n)]
+    return RematProblem(
+        tuple(f"n{v}" for v in range(n)),
+        tuple(preds),
+        tuple(rng.randint(0, 100) for _ in range(n)),
+        tuple(rng.randint(10, 1000) for _ in range(n)),
+    )
+
+
+def test_bound_beside_the_search_raises_the_proven_bound_soundly() -> None:
+    # Above the inline size the input-aware bound runs in a forked process beside the search.
+    p = _random_layered(200, seed=3)
+    p0, c0 = replay(p, baseline_schedule(p))
+    budget = math.ceil(0.8 * p0)
+    result = solve_remat(p, budget, time_limit_s=8)
+    assert result.has_schedule
+    peak, cost = replay(p, result.schedule)
+    assert peak <= budget and cost == result.cost
+    assert segment_cover_bound(p, budget) - 1e-6 <= result.proven_lower_bound <= result.lower_bound <= cost

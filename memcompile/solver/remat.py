@@ -1176,6 +1176,7 @@ def solve_remat(
         )
         if not result.has_schedule:
             return result
+        result = _polished(problem, budget, result, deadline + 0.5 * (started + time_limit_s - deadline), started)
         return _with_better_bound(result, bound.result(deadline), started)
     finally:
         bound.stop()
@@ -1231,6 +1232,25 @@ def _search(
         return _with_schedule(problem, fallback, max(lower, proven), proven, "timeout_fallback", started)
     status = "infeasible_in_model" if outcome.status == "infeasible" else "no_schedule"
     return _event_level_fallback(problem, budget, proven, peak_lb, status, deadline, seed, started)
+
+
+def _polished(problem: RematProblem, budget: int, result: RematResult, deadline: float, started: float) -> RematResult:
+    """Event-level polish of the found schedule: frees as early as possible, then tensors kept
+    instead of recomputed where the budget allows (`remat_events.undo_evictions`). A cheaper
+    schedule may lie outside the stage grid, so its bound is the proven one and, if the grid's
+    optimum was claimed, the status becomes "feasible"."""
+    from .remat_events import free_early, undo_evictions  # imports this module
+
+    schedule = undo_evictions(problem, free_early(problem, result.schedule), budget, deadline)
+    try:
+        peak, cost = simulate(problem, schedule)
+    except InvalidSchedule:
+        return result
+    if peak > budget or cost >= result.cost - 1e-9:
+        return result
+    status = "feasible" if result.status == "optimal" else result.status
+    proven = result.proven_lower_bound
+    return _with_schedule(problem, schedule, proven, proven, status, started)
 
 
 def _with_better_bound(result: RematResult, bound: float, started: float) -> RematResult:
