@@ -23,7 +23,9 @@ Because C and the stage grid restrict the schedules, the CP-SAT bound is a lower
 The reported `lower_bound` is the larger of that and `proven_cost_bound`, which holds for every
 schedule (per-stage knapsack, an LP covering all over-budget first computations with one
 recomputation per window between a tensor's readers, and a CP-SAT "stage-closure" model on the
-worst first computations).
+worst first computations), raised by `input_aware_cover_bound` (an LP that also charges the inputs
+of recomputations), computed in a forked process beside the search. Found schedules are polished
+event by event (`remat_events.free_early`, `undo_evictions`).
 CP-SAT runs in two phases (`_two_phase_solve`): a short one with objective lower-bound search
 (proves the Checkmate graphs fast), then default search warm-started from its best solution.
 Models with more than `_LARGE_MODEL` input-cover literals skip CP-SAT (building and presolving
