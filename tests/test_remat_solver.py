@@ -244,8 +244,9 @@ def test_input_aware_cover_bound_never_exceeds_the_true_optimum(p: RematProblem,
     min_peak = brute_force_min_peak(p, p0)
     budget = data.draw(st.one_of(st.sampled_from([min_peak, min_peak, min_peak + 1]), st.integers(min_peak, p0)))
     rows_per_round = data.draw(st.integers(1, 4), label="rows per round")
+    depth = data.draw(st.integers(0, 3), label="cascade depth")
     optimum = brute_force_min_cost(p, budget)
-    bound = input_aware_cover_bound(p, budget, time_limit_s=5, rows_per_round=rows_per_round)
+    bound = input_aware_cover_bound(p, budget, time_limit_s=5, rows_per_round=rows_per_round, cascade_depth=depth)
     event("recomputes" if optimum is not None and optimum > c0 else "no recompute or no schedule")
     if bound > segment_cover_bound(p, budget) + 1e-6:
         event("input-aware bound above segment bound")
@@ -262,7 +263,21 @@ def test_input_aware_cover_bound_charges_the_inputs_of_a_recomputation() -> None
     p = RematProblem(tuple("abcdef"), ((), (0,), (1,), (2,), (3,), (1, 4)), (5, 0, 1, 1, 1, 1), (1, 6, 1, 7, 1, 1))
     assert brute_force_min_cost(p, 8) == 14
     assert segment_cover_bound(p, 8) == pytest.approx(9)
-    assert input_aware_cover_bound(p, 8) == pytest.approx(14)
+    assert input_aware_cover_bound(p, 8, cascade_depth=0) == pytest.approx(14)
+
+
+def test_input_aware_cover_bound_charges_the_inputs_of_a_late_recomputation() -> None:
+    # Found by random search over small DAGs: one level of inputs of late recomputations (depth 1)
+    # lifts the bound from 16 to the optimum 21, where depth 0 treats those inputs as free.
+    p = RematProblem(
+        tuple("abcdefg"),
+        ((), (0,), (1,), (0, 2), (3,), (3, 4), (2, 5)),
+        (5, 0, 4, 0, 0, 2, 1),
+        (2, 2, 4, 4, 5, 5, 3),
+    )
+    assert brute_force_min_cost(p, 14) == 21
+    assert input_aware_cover_bound(p, 14, cascade_depth=0) == pytest.approx(16)
+    assert input_aware_cover_bound(p, 14, cascade_depth=1) == pytest.approx(21)
 
 
 @given(p=dags(max_n=8))
