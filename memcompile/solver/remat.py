@@ -752,7 +752,6 @@ def _covering_lp_bound(problem: RematProblem, rows: list[tuple[int, dict[tuple[i
     return max(0.0, value * (1 - 1e-9))
 
 
-
 def input_aware_cover_bound(
     problem: RematProblem,
     budget: int,
@@ -770,8 +769,9 @@ def input_aware_cover_bound(
     load, or it is computed again after its last reader (a recomputation no segment counts).
     Variables in [0, 1]: y[x, r] (x computed again between its readers around r, cost[x]),
     s[x, t] (x not resident at t; s <= y), k[u, t] (u resident at t after its last reader),
-    z[u] (u computed again after its last reader, cost[u]). Rows, per chosen t: bytes relieved
-    >= excess + bytes of the k[u, t]; s[x, t] <= k[u, t] + z[u] for such inputs u. Every schedule
+    z[u] (u computed again after its last reader, cost[u]; zt[u, t] <= z[u]: after t). Rows, per
+    chosen t: bytes relieved >= excess + bytes of the k[u, t]; s[x, t] <= k[u, t] + zt[u, t] for
+    such inputs u. Every schedule
     under the budget gives a 0/1 point with recomputation cost at least the objective, and any
     subset of the rows is a relaxation too. The LP over all over-budget rows is too slow at 1000
     nodes, so rows are added by rounds (cutting planes): start from a few spread over the order,
@@ -786,7 +786,6 @@ def input_aware_cover_bound(
     capacity = budget - problem.static_bytes
     size, cost = problem.size, problem.cost
     readers = [sorted(s) for s in problem.succs]
-    last_use = [max(s, default=v) for v, s in enumerate(problem.succs)]
     demands = _first_compute_demand(problem)
     # Per over-budget row: its excess and, per idle tensor, (x, next reader, inputs dead at t).
     rows: dict[int, tuple[int, list[tuple[int, int, list[int]]]]] = {}
@@ -794,7 +793,7 @@ def input_aware_cover_bound(
         excess = mandatory + sum(size[x] for x in live) - capacity
         if excess > 0:
             idle = [
-                (x, readers[x][bisect.bisect_right(readers[x], t)], [u for u in problem.preds[x] if last_use[u] < t and size[u] > 0])
+                (x, readers[x][bisect.bisect_right(readers[x], t)], _dead_inputs(problem, x, t))
                 for x in live
                 if problem.recomputable[x] and size[x] > 0
             ]
@@ -821,6 +820,11 @@ def input_aware_cover_bound(
         if not chosen:
             break
     return sum(cost) + best
+
+
+def _dead_inputs(problem: RematProblem, v: int, t: int) -> list[int]:
+    """Inputs of v (with bytes) that no first computation at or after t reads."""
+    return [u for u in problem.preds[v] if problem.last_use[u] < t and problem.size[u] > 0]
 
 
 def _add_input_aware_row(
@@ -861,7 +865,7 @@ def _input_aware_violation(
         s = lp.value(("y", x, next_reader))
         relief += problem.size[x] * s
         for u in dead_inputs:
-            z = lp.value(("zt", u, t)) if ("zt", u, t) in lp.cost else lp.value(("z", u)) if problem.recomputable[u] else 0.0
+            z = lp.value(("zt", u, t)) if ("zt", u, t) in lp.cost else lp.value(("z", u))
             kept[u] = max(kept.get(u, 0.0), s - z)
     return excess - relief + sum(problem.size[u] * k for u, k in kept.items())
 
@@ -881,12 +885,10 @@ def _recomputed_late(
     if key not in lp.cost:
         lp.var(key, 0.0)
         lp.at_least({lp.var(("z", u), problem.cost[u]): 1.0, key: -1.0}, 0.0)
-        if depth > 0:
-            for w in problem.preds[u]:
-                if problem.last_use[w] < t and problem.size[w] > 0:
-                    late = _recomputed_late(lp, problem, w, t, kept, depth - 1)
-                    lp.at_least({lp.var(("k", w, t), 0.0): 1.0, **late, key: -1.0}, 0.0)
-                    kept.add(w)
+        for w in _dead_inputs(problem, u, t) if depth > 0 else ():
+            late = _recomputed_late(lp, problem, w, t, kept, depth - 1)
+            lp.at_least({lp.var(("k", w, t), 0.0): 1.0, **late, key: -1.0}, 0.0)
+            kept.add(w)
     return {key: 1.0}
 
 
