@@ -23,7 +23,9 @@ Because C and the stage grid restrict the schedules, the CP-SAT bound is a lower
 The reported `lower_bound` is the larger of that and `proven_cost_bound`, which holds for every
 schedule (per-stage knapsack, an LP covering all over-budget first computations with one
 recomputation per window between a tensor's readers, and a CP-SAT "stage-closure" model on the
-worst first computations).
+worst first computations), raised by `input_aware_cover_bound` (an LP that also charges the inputs
+of recomputations), computed in a forked process beside the search. Found schedules are polished
+event by event (`remat_events.free_early`, `undo_evictions`).
 CP-SAT runs in two phases (`_two_phase_solve`): a short one with objective lower-bound search
 (proves the Checkmate graphs fast), then default search warm-started from its best solution.
 Models with more than `_LARGE_MODEL` input-cover literals skip CP-SAT (building and presolving
@@ -91,6 +93,11 @@ class RematProblem:
     @property
     def n(self) -> int:
         return len(self.names)
+
+    @cached_property
+    def last_use(self) -> tuple[int, ...]:
+        """Index of each node's last reader (the node itself for sinks), in first-computation order."""
+        return tuple(max(s, default=v) for v, s in enumerate(self.succs))
 
     @cached_property
     def succs(self) -> tuple[tuple[int, ...], ...]:
@@ -745,6 +752,209 @@ def _covering_lp_bound(problem: RematProblem, rows: list[tuple[int, dict[tuple[i
     return max(0.0, value * (1 - 1e-9))
 
 
+def input_aware_cover_bound(
+    problem: RematProblem,
+    budget: int,
+    time_limit_s: float = 5.0,
+    rows_per_round: int = 8,
+    max_rows: int = 48,
+    cascade_depth: int | None = None,
+) -> float:
+    """Lower bound on cost that also charges the inputs of recomputations (LP relaxation).
+
+    `segment_cover_bound` lets a tensor x, idle at an over-budget first computation t, leave
+    memory for the price of one recomputation before its next reader r. But that recomputation
+    runs after t, with every input u of x resident; an input that no first computation at or
+    after t reads (last reader before t) is then resident at t as well, adding its bytes to t's
+    load, or it is computed again after its last reader (a recomputation no segment counts).
+    Variables in [0, 1]: y[x, r] (x computed again between its readers around r, cost[x]),
+    s[x, t] (x not resident at t; s <= y), k[u, t] (u resident at t after its last reader),
+    z[u] (u computed again after its last reader, cost[u]; zt[u, t] <= z[u]: after t). Rows, per
+    chosen t: bytes relieved >= excess + bytes of the k[u, t]; s[x, t] <= k[u, t] + zt[u, t] for
+    such inputs u. Every schedule
+    under the budget gives a 0/1 point with recomputation cost at least the objective, and any
+    subset of the rows is a relaxation too. The LP over all over-budget rows is too slow at 1000
+    nodes, so rows are added by rounds (cutting planes): start from a few spread over the order,
+    then add the rows the LP's current y and z violate most, until `time_limit_s` or `max_rows`.
+    `cascade_depth` levels of inputs of those late recomputations are charged the same way
+    (`_recomputed_late`); default 1 up to `_CASCADE_NODES` nodes, else 0 (random_layered_n250 at
+    0.8: 2.62% -> 3.21% overhead; at n1000 the larger LP reached fewer rows in time: 2.27% -> 1.82%).
+    Never returns inf (`segment_cover_bound` detects budgets nothing fits).
+    """
+    depth = cascade_depth if cascade_depth is not None else int(problem.n <= _CASCADE_NODES)
+    started = time.monotonic()
+    capacity = budget - problem.static_bytes
+    size, cost = problem.size, problem.cost
+    readers = [sorted(s) for s in problem.succs]
+    demands = _first_compute_demand(problem)
+    # Per over-budget row: its excess and, per idle tensor, (x, next reader, inputs dead at t).
+    rows: dict[int, tuple[int, list[tuple[int, int, list[int]]]]] = {}
+    for t, (mandatory, live) in enumerate(demands):
+        excess = mandatory + sum(size[x] for x in live) - capacity
+        if excess > 0:
+            idle = [
+                (x, readers[x][bisect.bisect_right(readers[x], t)], _dead_inputs(problem, x, t))
+                for x in live
+                if problem.recomputable[x] and size[x] > 0
+            ]
+            rows[t] = (excess, idle)
+    if not rows:
+        return float(sum(cost))
+    lp = _LowerBoundLp()
+    chosen = _spread(sorted(rows), rows_per_round)
+    best = 0.0
+    last_round_s = 0.0
+    while True:
+        for t in chosen:
+            _add_input_aware_row(lp, problem, t, *rows[t], depth)
+        remaining = time_limit_s - (time.monotonic() - started)
+        if remaining <= 1.5 * last_round_s:  # a larger LP than the last one would not finish
+            break
+        round_started = time.monotonic()
+        best = max(best, lp.lower_bound(remaining))
+        last_round_s = time.monotonic() - round_started
+        if lp.solution is None or len(lp.added_rows) >= max_rows:
+            break
+        violation = {t: _input_aware_violation(lp, problem, t, *rows[t]) for t in rows if t not in lp.added_rows}
+        chosen = sorted((t for t in violation if violation[t] > 0), key=lambda t: -violation[t])[:rows_per_round]
+        if not chosen:
+            break
+    return sum(cost) + best
+
+
+def _dead_inputs(problem: RematProblem, v: int, t: int) -> list[int]:
+    """Inputs of v (with bytes) that no first computation at or after t reads."""
+    return [u for u in problem.preds[v] if problem.last_use[u] < t and problem.size[u] > 0]
+
+
+def _add_input_aware_row(
+    lp: "_LowerBoundLp",
+    problem: RematProblem,
+    t: int,
+    excess: int,
+    idle: list[tuple[int, int, list[int]]],
+    depth: int,
+) -> None:
+    relief: dict[object, float] = {}
+    kept: set[int] = set()  # inputs u with a k[u, t] variable: their bytes join row t
+    for x, next_reader, dead_inputs in idle:
+        y = lp.var(("y", x, next_reader), problem.cost[x])
+        if not dead_inputs:  # s[x, t] = y[x, r] is as good as any smaller s: no s variable
+            relief[y] = relief.get(y, 0.0) + problem.size[x]
+            continue
+        s = lp.var(("s", x, t), 0.0)
+        lp.at_least({y: 1.0, s: -1.0}, 0.0)
+        relief[s] = float(problem.size[x])
+        for u in dead_inputs:
+            late = _recomputed_late(lp, problem, u, t, kept, depth)
+            lp.at_least({lp.var(("k", u, t), 0.0): 1.0, **late, s: -1.0}, 0.0)
+            kept.add(u)
+    for u in kept:
+        relief[("k", u, t)] = -float(problem.size[u])
+    lp.at_least(relief, float(excess))
+    lp.added_rows.add(t)
+
+
+def _input_aware_violation(
+    lp: "_LowerBoundLp", problem: RematProblem, t: int, excess: int, idle: list[tuple[int, int, list[int]]]
+) -> float:
+    """How far row t is from holding at the LP's current y, z (s = y, k as small as allowed)."""
+    relief = 0.0
+    kept: dict[int, float] = {}
+    for x, next_reader, dead_inputs in idle:
+        s = lp.value(("y", x, next_reader))
+        relief += problem.size[x] * s
+        for u in dead_inputs:
+            z = lp.value(("zt", u, t)) if ("zt", u, t) in lp.cost else lp.value(("z", u))
+            kept[u] = max(kept.get(u, 0.0), s - z)
+    return excess - relief + sum(problem.size[u] * k for u, k in kept.items())
+
+
+def _recomputed_late(
+    lp: "_LowerBoundLp", problem: RematProblem, u: int, t: int, kept: set[int], depth: int
+) -> dict[object, float]:
+    """u computed again after row t (and so after its last reader, which precedes t).
+
+    z[u] pays for it once for all rows; zt[u, t] <= z[u] says "after t". That computation needs
+    u's inputs then: one whose last reader precedes t is resident at t (k) or computed again
+    after t too (zt, recursively, `depth` levels). Empty where u may not be recomputed.
+    """
+    if not problem.recomputable[u]:
+        return {}
+    key = ("zt", u, t)
+    if key not in lp.cost:
+        lp.var(key, 0.0)
+        lp.at_least({lp.var(("z", u), problem.cost[u]): 1.0, key: -1.0}, 0.0)
+        for w in _dead_inputs(problem, u, t) if depth > 0 else ():
+            late = _recomputed_late(lp, problem, w, t, kept, depth - 1)
+            lp.at_least({lp.var(("k", w, t), 0.0): 1.0, **late, key: -1.0}, 0.0)
+            kept.add(w)
+    return {key: 1.0}
+
+
+_CASCADE_NODES = 300  # deeper cascades raised no bound on the benchmark graphs and slow the LP
+
+
+def _spread(items: Sequence[int], limit: int) -> list[int]:
+    """At most `limit` items, evenly spaced (first and last included)."""
+    if len(items) <= limit:
+        return list(items)
+    if limit <= 1:
+        return list(items[:limit])
+    return sorted({items[round(i * (len(items) - 1) / (limit - 1))] for i in range(limit)})
+
+
+class _LowerBoundLp:
+    """min c.x over 0 <= x <= 1 subject to rows a.x >= b, grown between solves.
+
+    GLOP solves it; the bound returned is the Lagrangian value of its row duals clipped at 0
+    (any duals >= 0 give a valid bound by weak duality), so solver tolerances or a time-out
+    cannot make it overshoot the LP optimum.
+    """
+
+    def __init__(self) -> None:
+        from ortools.linear_solver import pywraplp  # installed with ortools; only the bounds use it
+
+        self._pywraplp = pywraplp
+        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        self.cost: dict[object, float] = {}
+        self.vars: dict[object, object] = {}
+        self.rows: list[tuple[object, dict[object, float], float]] = []
+        self.added_rows: set[int] = set()
+        self.solution: dict[object, float] | None = None
+
+    def var(self, key: object, cost: float) -> object:
+        if key not in self.vars:
+            self.cost[key] = float(cost)
+            self.vars[key] = self.solver.NumVar(0.0, 1.0, "")
+        return key
+
+    def value(self, key: object) -> float:
+        return 0.0 if self.solution is None else self.solution.get(key, 0.0)
+
+    def at_least(self, coefs: dict[object, float], rhs: float) -> None:
+        constraint = self.solver.Add(self.solver.Sum([a * self.vars[k] for k, a in coefs.items()]) >= rhs)
+        self.rows.append((constraint, coefs, rhs))
+
+    def lower_bound(self, time_limit_s: float) -> float:
+        solver = self.solver
+        solver.SetTimeLimit(max(1, int(1000 * time_limit_s)))
+        solver.Minimize(solver.Sum([c * self.vars[k] for k, c in self.cost.items() if c]))
+        self.solution = None
+        if solver.Solve() not in (self._pywraplp.Solver.OPTIMAL, self._pywraplp.Solver.FEASIBLE):
+            return 0.0
+        self.solution = {k: v.solution_value() for k, v in self.vars.items()}
+        reduced = dict(self.cost)
+        value = 0.0
+        for constraint, coefs, rhs in self.rows:
+            dual = max(0.0, constraint.dual_value())
+            if dual:
+                value += dual * rhs
+                for k, a in coefs.items():
+                    reduced[k] -= dual * a
+        value += sum(min(0.0, r) for r in reduced.values())
+        return max(0.0, value * (1 - 1e-9))
+
 def proven_cost_bound(problem: RematProblem, budget: int, time_limit_s: float = 1.0, stages: int = 3) -> float:
     """Lower bound on the cost of every schedule under `budget` (inf: no schedule fits).
 
@@ -997,7 +1207,9 @@ def solve_remat(
 ) -> RematResult:
     """Cheapest schedule with peak <= budget (within the formulation), best found in time.
 
-    Every returned schedule has been replayed by `simulate` and fits the budget.
+    Every returned schedule has been replayed by `simulate` and fits the budget. The
+    input-aware bound (`input_aware_cover_bound`) is computed beside the search, in a forked
+    process where the platform allows (its LP holds the GIL), and raises the reported bounds.
     """
     started = time.monotonic()
     # Keep a little time for replaying and emitting the schedule after the search.
@@ -1005,6 +1217,32 @@ def solve_remat(
     peak_lb = peak_lower_bound(problem)
     if budget < peak_lb:
         return _no_schedule("infeasible", peak_lb, started)
+    bound = _BoundBesideSearch(problem, budget, deadline)
+    try:
+        result = _search(
+            problem, budget, time_limit_s, workers, seed, relative_gap, max_computations, substeps, started, deadline
+        )
+        if not result.has_schedule:
+            return result
+        result = _polished(problem, budget, result, deadline + 0.5 * (started + time_limit_s - deadline), started)
+        return _with_better_bound(result, bound.result(deadline), started)
+    finally:
+        bound.stop()
+
+
+def _search(
+    problem: RematProblem,
+    budget: int,
+    time_limit_s: float,
+    workers: int,
+    seed: int,
+    relative_gap: float,
+    max_computations: int | None,
+    substeps: int | None,
+    started: float,
+    deadline: float,
+) -> RematResult:
+    peak_lb = peak_lower_bound(problem)
     proven = proven_cost_bound(problem, budget, time_limit_s=_BOUND_SHARE * time_limit_s)
     if math.isinf(proven):  # some first computation cannot fit: the least peak exceeds the budget
         return _no_schedule("infeasible", budget + 1, started)
@@ -1042,6 +1280,98 @@ def solve_remat(
         return _with_schedule(problem, fallback, max(lower, proven), proven, "timeout_fallback", started)
     status = "infeasible_in_model" if outcome.status == "infeasible" else "no_schedule"
     return _event_level_fallback(problem, budget, proven, peak_lb, status, deadline, seed, started)
+
+
+def _polished(problem: RematProblem, budget: int, result: RematResult, deadline: float, started: float) -> RematResult:
+    """Event-level polish of the found schedule: frees as early as possible, then tensors kept
+    instead of recomputed where the budget allows (`remat_events.undo_evictions`). A cheaper
+    schedule may lie outside the stage grid, so its bound is the proven one and, if the grid's
+    optimum was claimed, the status becomes "feasible"."""
+    from .remat_events import free_early, undo_evictions  # imports this module
+
+    schedule = undo_evictions(problem, free_early(problem, result.schedule), budget, deadline)
+    try:
+        peak, cost = simulate(problem, schedule)
+    except InvalidSchedule:
+        return result
+    if peak > budget or cost >= result.cost - 1e-9:
+        return result
+    status = "feasible" if result.status == "optimal" else result.status
+    proven = result.proven_lower_bound
+    return _with_schedule(problem, schedule, proven, proven, status, started)
+
+
+def _with_better_bound(result: RematResult, bound: float, started: float) -> RematResult:
+    """Raise the result's bounds to `bound` (valid for every schedule); proven optimal when it
+    reaches the cost."""
+    if bound <= result.proven_lower_bound:
+        return result
+    proven = min(bound, result.cost)
+    lower = max(result.lower_bound, proven)
+    closed = proven >= result.cost * (1 - 1e-9)
+    return dataclasses.replace(
+        result,
+        lower_bound=lower,
+        proven_lower_bound=proven,
+        gap=0.0 if result.cost == 0 else max(0.0, (result.cost - lower) / result.cost),
+        status="optimal" if closed else result.status,
+        solve_s=time.monotonic() - started,
+    )
+
+
+class _BoundBesideSearch:
+    """`input_aware_cover_bound` in a forked process until `deadline`, beside the schedule search.
+
+    GLOP holds the GIL, so a thread would stall the (pure Python) greedy and repair searches;
+    the process uses the second core. Without fork (or for graphs whose LP is small) it runs
+    inline, with a short time limit. `result` waits for it until `deadline` at most.
+    """
+
+    def __init__(self, problem: RematProblem, budget: int, deadline: float) -> None:
+        import multiprocessing
+
+        self.value = 0.0
+        self._process = None
+        self._conn = None
+        limit = 0.9 * (deadline - time.monotonic())  # room to send the value back before the deadline
+        if problem.n <= _INLINE_BOUND_NODES or "fork" not in multiprocessing.get_all_start_methods():
+            self.value = input_aware_cover_bound(problem, budget, time_limit_s=_INLINE_BOUND_SHARE * limit)
+            return
+        context = multiprocessing.get_context("fork")
+        self._conn, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_send_bound, args=(sender, problem, budget, limit), daemon=True)
+        self._process.start()
+        sender.close()
+
+    def result(self, deadline: float) -> float:
+        if self._process is not None and self._conn.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                self.value = max(self.value, float(self._conn.recv()))
+            except (EOFError, OSError):
+                pass
+        self.stop()
+        return self.value
+
+    def stop(self) -> None:
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.terminate()
+            self._process.join()
+            self._conn.close()
+            self._process = None
+
+
+def _send_bound(sender, problem: RematProblem, budget: int, time_limit_s: float) -> None:
+    try:
+        sender.send(input_aware_cover_bound(problem, budget, time_limit_s=time_limit_s))
+    finally:
+        sender.close()
+
+
+# Graphs up to this many nodes compute the input-aware bound inline (its LP takes well under a
+# second there), with this share of the time limit at most.
+_INLINE_BOUND_NODES = 150
+_INLINE_BOUND_SHARE = 0.1
 
 
 def _event_level_fallback(

@@ -315,3 +315,38 @@ class _Evictor:
             if best is None or score < best[0]:
                 best = (score, v)
         return None if best is None else best[1]
+
+
+def free_early(problem: RematProblem, schedule: Schedule) -> Schedule:
+    """Move every free to right after the last event that reads the tensor (same peak or lower).
+
+    A computation whose result nothing reads before it is freed is dropped with its free. The
+    stage-grid schedules free a stage's tensors only after the stage's last computation; freeing
+    them at once leaves room that `undo_evictions` can spend on keeping tensors instead of
+    recomputing them.
+    """
+    events = list(schedule)
+    last_read: dict[int, int] = {}  # node -> index of its live computation, or of its last reader since
+    moved: dict[int, list[Event]] = {}  # index -> frees to emit right after that event
+    dropped: set[int] = set()
+    for k, (kind, v) in enumerate(events):
+        if kind == "compute":
+            for u in problem.preds[v]:
+                last_read[u] = k
+            last_read[v] = k
+            continue
+        anchor = last_read.pop(v)
+        if events[anchor] == ("compute", v) and anchor not in dropped and _is_recomputation(events, anchor):
+            dropped.add(anchor)  # read by nothing: neither compute nor free it
+            continue
+        moved.setdefault(anchor, []).append(("free", v))
+    out: list[Event] = []
+    for k, event in enumerate(events):
+        if event[0] == "compute" and k not in dropped:
+            out.append(event)
+        out.extend(moved.get(k, ()))
+    return tuple(out)
+
+
+def _is_recomputation(events: list[Event], k: int) -> bool:
+    return ("compute", events[k][1]) in events[:k]
