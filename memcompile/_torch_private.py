@@ -388,6 +388,11 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
                    if k.index in generated_kernels else k
                    for k in kernels]
+        # What the wrapper reuses a freed buffer by includes its alignment (buffer_reuse_key).
+        unaligned = set(graph.unaligned_buffers)
+        kernels = [dataclasses.replace(k, allocates=tuple(dataclasses.replace(b, aligned=False)
+                                                          if b.name in unaligned else b for b in k.allocates))
+                   for k in kernels]
         peak_estimate = _inductor_peak_estimate(graph)
     return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate)
 
