@@ -221,10 +221,12 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
       row of sums per q block; plus a contiguous copy of grad_out when its (B, S, H, D) view is
       not contiguous (the kernel reads it in that layout).
     Measured on GPT-2 small: 31 KiB in the backward, where half the bytes moved said 1.2 MiB.
-    CUDA backward (cuDNN, flash, memory-efficient): a float32 accumulator of dQ and the softmax
-    row sums, rows padded to 128; an H200 allocator snapshot showed 32.5 MiB for B=8, H=16,
-    S=1024, D=64, where half the bytes moved said 64 MiB. The CUDA forward is not read (None).
-    None for shapes this does not read (the caller keeps its rough estimate)."""
+    CUDA flash backward (FlashAttention-2's mha_bwd): a float32 accumulator of dQ, rows padded
+    to 128 and the head dimension to 32, and the softmax row sums; an H200 allocator snapshot
+    showed 32.5 MiB for B=8, H=16, S=1024, D=64, where half the bytes moved said 64 MiB. Head
+    dimensions not a multiple of 8 (padded copies of every input), the CUDA forward, and the
+    cuDNN and memory-efficient kernels are not read: None, and the caller keeps its rough
+    estimate (an over-count, never under)."""
     backward = "backward" in name
     tensors = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:4]]
     grad_out, tensors = (tensors[0], tensors[1:]) if backward else (None, tensors)
@@ -239,10 +241,12 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
     except (TypeError, ValueError):
         return None
     if "for_cpu" not in name:
-        if not backward:
+        if (name.split(".")[0] != "_scaled_dot_product_flash_attention_backward" or head_dim % 8
+                or torch.are_deterministic_algorithms_enabled()):  # deterministic: one dQ per split
             return None
         rows = batch * heads * _round_up(seq, 128)
-        return 4 * rows * head_dim + 4 * rows
+        width = _round_up(head_dim, 32) if head_dim <= 192 else 256
+        return 4 * rows * width + 4 * rows
     q_split, kv_split = _cpu_attention_blocks(seq, kv_seq)
     accum = 8 if query.dtype == torch.float64 else 4
     reduced = query.dtype in (torch.bfloat16, torch.float16)
