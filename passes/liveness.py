@@ -200,7 +200,12 @@ def analyze_liveness(
         for key, (nbytes, creator) in bw_created.items():
             if key in storages:
                 continue
-            storages[key] = _Storage(nbytes, TEMPORARY, from_input=creator.op == "placeholder",
+            # A tangent (the gradient of a forward output) stays allocated until the backward
+            # returns: AOTAutograd's backward receives it as an argument, so the graph's last
+            # read, or the wrapper's `del tangents_1`, drops one reference of several. GPT-2's
+            # 4-byte loss gradient counted freed after its first kernel put the check 4 B under.
+            tangent = creator.op == "placeholder"
+            storages[key] = _Storage(nbytes, TEMPORARY, from_input=tangent, pinned=tangent,
                                      dtype=_dtype_of(key, creator))
         # Saved tensors are released by the backward after their last reader there.
         for key in handed_on.values():
@@ -475,12 +480,13 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     # ---- backward
     if bw is not None and bw_schedule is not None:
         def bw_input(node: fx.Node) -> str | None:
+            # tangents are held until the backward returns (see analyze_liveness)
             if node.name in handed_on:
                 return handed_on[node.name]
             if tp.is_tangent(node):
                 key = f"bw:{node.name}"
                 val = node.meta.get("val")
-                storages[key] = _Storage(tensor_nbytes(val), TEMPORARY, from_input=True,
+                storages[key] = _Storage(tensor_nbytes(val), TEMPORARY, from_input=True, pinned=True,
                                          dtype=str(getattr(val, "dtype", None)))
                 live[key] = storages[key]
                 return key

@@ -179,3 +179,29 @@ def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
     steps = _forward_steps(analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf3",)), None))
     assert steps[2] == x + 4 * KIB + 4 * KIB + KIB  # buf0 held, buf1 read, buf2 new
     assert steps[3] == x + KIB + 4 * KIB  # buf1 freed, buf3 in buf0's memory
+
+
+def test_a_tangent_stays_allocated_until_the_backward_returns():
+    """AOTAutograd's backward receives the tangents as arguments, so they stay allocated through
+    the whole backward although the graph reads them once (the wrapper's `del tangents_1` drops
+    one reference of several). GPT-2's loss gradient, counted freed after its first kernel, put
+    the check 4 bytes under the measured peak; a large tangent would put it further under."""
+    fw = _graph({"primals_1": 1024}, [("out", 1024)])
+    fw_schedule = InductorSchedule((_kernel(0, [("buf0", 4 * KIB)], ["primals_1"]),), ("buf0",))
+    graph = fx.Graph()  # tangents_1 -> a -> grad: the tangent's only reader is the first node
+    tangent = graph.placeholder("tangents_1")
+    a = graph.create_node("call_function", torch.ops.aten.mul.Tensor, (tangent, tangent), name="a")
+    grad = graph.create_node("call_function", torch.ops.aten.mul.Tensor, (a, a), name="grad")
+    for node in (tangent, a, grad):
+        node.meta["val"] = torch.empty(1024)
+    graph.output([grad])
+    bw = fx.GraphModule(torch.nn.Module(), graph)
+    bw_schedule = InductorSchedule((
+        _kernel(0, [("buf0", 4 * KIB)], ["tangents_1"]),
+        _kernel(1, [("buf1", 4 * KIB)], ["buf0"]),
+    ), ("buf1",))
+    for timeline in (analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule), analyze_liveness(fw, bw, 1)):
+        last = [s.live_bytes - OP_SCRATCH_BYTES for s in timeline.steps if s.phase == "backward"][-1]
+        # primals_1, the forward's output (the caller holds it), the tangent, the last
+        # kernel's input and its result: 4 KiB each
+        assert last == 5 * 4 * KIB
