@@ -385,11 +385,81 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         # A generated kernel's result that no other kernel reads and the graph does not return is
         # kept in registers: its code generation removes the buffer (remove_kernel_local_buffers).
         read_elsewhere = {n for k in kernels for n in k.reads} | {o for o in outputs if o is not None}
+        read_elsewhere |= _outer_loop_fused_kept_buffers(graph.scheduler.nodes)
         kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
                    if k.index in generated_kernels else k
                    for k in kernels]
+        # What the wrapper reuses a freed buffer by includes its alignment (buffer_reuse_key).
+        unaligned = set(graph.unaligned_buffers)
+        kernels = [dataclasses.replace(k, allocates=tuple(dataclasses.replace(b, aligned=False)
+                                                          if b.name in unaligned else b for b in k.allocates))
+                   for k in kernels]
         peak_estimate = _inductor_peak_estimate(graph)
     return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate)
+
+
+def _outer_loop_fused_kept_buffers(snodes) -> set[str]:
+    """Buffers a C++ kernel fused over an outer loop (OuterLoopFusedSchedulerNode) passes from one
+    of its inner loop nests to another: each nest is its own kernel body
+    (codegen/cpp.py codegen_outer_loop_node), so the buffer is stored and the wrapper allocates
+    it, although no other kernel reads it. The exception is Inductor's kernel-local buffer
+    (try_outer_loop_fusion_with_local_buf): a contiguous, contiguously written and read
+    pointwise result, when every inner nest spans the fused depth plus one loop. On GPT-2 the
+    backward's fused log-softmax and layer-norm kernels kept three such 2 KiB row statistics
+    (a reduction, never local), and the check had them in registers."""
+    from torch._inductor.scheduler import FusedSchedulerNode, SchedulerNode
+
+    kept: set[str] = set()
+    for snode in snodes:
+        outer = getattr(snode, "get_outer_nodes", None)
+        if outer is None or not hasattr(snode, "outer_loop_fusion_depth"):
+            continue
+        nests = list(outer())
+        nest_of = {sub.get_name(): i for i, nest in enumerate(nests) for sub in nest.get_nodes()}
+        members = snode.get_nodes()
+        try:
+            local_ok = all(len(_call_ranges(n)) == snode.outer_loop_fusion_depth + 1 for n in nests
+                           if isinstance(n, (SchedulerNode, FusedSchedulerNode)))
+        except Exception:  # noqa: BLE001 - unreadable: no local buffers (an over-count, never under)
+            local_ok = False
+        for sub in members:
+            for buf in sub.get_outputs():
+                readers = [u.node for u in buf.users if isinstance(getattr(u, "node", None), SchedulerNode)]
+                if not any(nest_of.get(r.get_name(), -1) not in (-1, nest_of[sub.get_name()]) for r in readers):
+                    continue  # read in its own nest only (or outside: counted as read elsewhere)
+                if local_ok and _becomes_local_buffer(sub, buf, members):
+                    continue
+                kept.add(buf.get_name())
+    return kept
+
+
+def _call_ranges(node) -> tuple:
+    nodes = node.get_nodes()
+    _, (group, reduction_group) = max(nodes, key=lambda x: int(x.is_reduction())).group
+    return tuple(group) + tuple(reduction_group)
+
+
+def _becomes_local_buffer(sub, buf, members) -> bool:
+    """The conditions of codegen/cpp.py try_outer_loop_fusion_with_local_buf for one result."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    try:
+        if sub.is_reduction() or len(sub.get_outputs()) != 1:
+            return False
+        if not all(u.node in members for u in buf.users):
+            return False
+        if not buf.node.get_layout().is_contiguous():
+            return False
+        body = sub._body
+        contiguous, stride = 0, 1
+        for var, size in reversed(body.var_ranges.items()):
+            contiguous += stride * var
+            stride *= size
+        name = buf.get_name()
+        return body.get_write_expr(name) == contiguous and all(
+            isinstance(u.node, SchedulerNode) and u.node._body.get_read_expr(name) == contiguous for u in buf.users)
+    except Exception:  # noqa: BLE001 - unreadable: count the buffer (an over-count, never under)
+        return False
 
 
 def _inductor_peak_estimate(graph) -> tuple[tuple[int, ...], int]:

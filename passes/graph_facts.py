@@ -135,7 +135,8 @@ def layout_copy_bytes(node: fx.Node) -> int:
 # Scratch that library kernels allocate while they run, fitted to the CPU allocator's events
 # (torch 2.13, oneDNN) over batch 2-16, channels 4-64, sizes 8-32, kernels 1 and 3, rounded up:
 # convolution forward ~2x its output (blocked-layout copies), backward ~4x its input plus a fixed
-# ~29 KiB; flash attention ~0.15x what it reads and writes (backward), ~0.02x (forward).
+# ~29 KiB. Flash attention: counted from its kernels where they are read (_attention_workspace),
+# else ~0.5x what it reads and writes (backward), ~1/16 plus 16 KiB (forward).
 _KIB = 1024
 
 
@@ -174,6 +175,9 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
         return 0
     name = str(getattr(node.target, "__name__", node.target))
     if "scaled_dot_product" in name:
+        known = _attention_workspace(node, name)
+        if known is not None:
+            return known
         moved = sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
         moved += tensor_nbytes(node.meta.get("val"))
         return moved // 2 if "backward" in name else moved // 16 + 16 * _KIB
@@ -191,6 +195,75 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
         return _conv_workspace_onednn(node) if onednn else _im2col_bytes(node) + 32 * _KIB
     except (ValueError, IndexError, TypeError, AttributeError):  # unexpected signature: assume a lot
         return 4 * sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _cpu_attention_blocks(seq: int, kv_seq: int) -> tuple[int, int]:
+    """The (query rows, key rows) block the CPU flash kernels work on per thread
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: q blocks of 32/64/256 rows from
+    sequences of 192/768, key blocks of 512; a shorter sequence is one block)."""
+    q_split = 256 if seq >= 768 else 64 if seq >= 192 else 32
+    return min(seq, q_split), min(kv_seq, 512)
+
+
+def _attention_workspace(node: fx.Node, name: str) -> int | None:
+    """What the fused attention kernels allocate besides their results (query: B, H, S, D).
+
+    CPU flash attention (FlashAttentionKernel.cpp), per thread, in the accumulation type
+    (float32 for float32/bf16/fp16):
+    - forward: the scores of one (q, kv) block, the row maxima and sums, and one q block of the
+      output; bf16/fp16 keep the block's scores again in their own type (fp16 may take oneDNN's
+      packed path, where the CPU supports it, which rounds the block up to 64 columns: assumed);
+    - backward: the scores and their gradient for one block (again in bf16/fp16 for those), a
+      row of sums per q block; plus a contiguous copy of grad_out when its (B, S, H, D) view is
+      not contiguous (the kernel reads it in that layout).
+    Measured on GPT-2 small: 31 KiB in the backward, where half the bytes moved said 1.2 MiB.
+    CUDA flash backward (FlashAttention-2's mha_bwd): a float32 accumulator of dQ, rows padded
+    to 128 and the head dimension to 32, and the softmax row sums; an H200 allocator snapshot
+    showed 32.5 MiB for B=8, H=16, S=1024, D=64, where half the bytes moved said 64 MiB. Head
+    dimensions not a multiple of 8 (padded copies of every input), the CUDA forward, and the
+    cuDNN and memory-efficient kernels are not read: None, and the caller keeps its rough
+    estimate (an over-count, never under)."""
+    backward = "backward" in name
+    tensors = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:4]]
+    grad_out, tensors = (tensors[0], tensors[1:]) if backward else (None, tensors)
+    if len(tensors) < 2 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors[:2]):
+        return None
+    query, key = tensors[:2]
+    if backward and not (isinstance(grad_out, torch.Tensor) and grad_out.dim() == 4):
+        return None
+    try:
+        batch, heads, seq, head_dim = (int(size_value(d)) for d in query.shape)
+        kv_seq = int(size_value(key.shape[2]))
+    except (TypeError, ValueError):
+        return None
+    if "for_cpu" not in name:
+        if (name.split(".")[0] != "_scaled_dot_product_flash_attention_backward" or head_dim % 8
+                or torch.are_deterministic_algorithms_enabled()):  # deterministic: one dQ per split
+            return None
+        rows = batch * heads * _round_up(seq, 128)
+        width = _round_up(head_dim, 32) if head_dim <= 192 else 256
+        return 4 * rows * width + 4 * rows
+    q_split, kv_split = _cpu_attention_blocks(seq, kv_seq)
+    accum = 8 if query.dtype == torch.float64 else 4
+    reduced = query.dtype in (torch.bfloat16, torch.float16)
+    threads = torch.get_num_threads()
+    if not backward:
+        packed = query.dtype == torch.float16
+        kv_cols, width = (_round_up(kv_split, 64), _round_up(head_dim, 64)) if packed else (kv_split, head_dim)
+        per_thread = (q_split * kv_cols + 2 * q_split + q_split * width) * accum
+        per_thread += q_split * kv_cols * query.itemsize if reduced else 0
+        return threads * per_thread + _KIB
+    per_thread = 2 * q_split * kv_split * (accum + (query.itemsize if reduced else 0)) + q_split * accum
+    try:
+        contiguous = bool(grad_out.transpose(1, 2).is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic strides: assume the copy
+        contiguous = False
+    copy = 0 if contiguous else tensor_nbytes(grad_out)
+    return threads * per_thread + copy + _KIB
 
 
 def promotion_copy_bytes(node: fx.Node) -> int:

@@ -23,6 +23,10 @@ class ScheduledBuffer:
     name: str  # Inductor's buffer name (buf12)
     nbytes: int  # the storage the wrapper allocates (0 for aliases)
     dtype: str  # with nbytes, the key the wrapper reuses freed buffers by
+    # Also part of that key (codegen/wrapper.py buffer_reuse_key): outputs of library calls that
+    # return tuples (attention's gradients) are "assumed to be not aligned", and the wrapper never
+    # hands them to an allocation of its own, which is aligned.
+    aligned: bool = True
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ class _Storage:
     user_visible: bool = False  # a forward output the caller holds (never written in place)
     from_input: bool = False  # a graph input (tangent): not Inductor's to overwrite
     dtype: object = None  # with nbytes, what Inductor matches a freed buffer for reuse by
+    aligned: bool = True  # also in that match (see ScheduledBuffer.aligned)
 
 
 def _storage_roots(gm: fx.GraphModule, prefix: str, placeholder_key, inlined: set) -> tuple[dict, dict]:
@@ -199,7 +200,12 @@ def analyze_liveness(
         for key, (nbytes, creator) in bw_created.items():
             if key in storages:
                 continue
-            storages[key] = _Storage(nbytes, TEMPORARY, from_input=creator.op == "placeholder",
+            # A tangent (the gradient of a forward output) stays allocated until the backward
+            # returns: AOTAutograd's backward receives it as an argument, so the graph's last
+            # read, or the wrapper's `del tangents_1`, drops one reference of several. GPT-2's
+            # 4-byte loss gradient counted freed after its first kernel put the check 4 B under.
+            tangent = creator.op == "placeholder"
+            storages[key] = _Storage(nbytes, TEMPORARY, from_input=tangent, pinned=tangent,
                                      dtype=_dtype_of(key, creator))
         # Saved tensors are released by the backward after their last reader there.
         for key in handed_on.values():
@@ -318,6 +324,7 @@ def _take_in_place(node, step: int, created, live: dict[str, _Storage], storages
                     and old.dtype == new.dtype):
                 del live[key]
                 taken[new_key] = key
+                new.aligned = new.aligned and old.aligned  # as Inductor's make_inplace marks it
                 break
     return taken
 
@@ -329,9 +336,14 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
     """Inductor's wrapper does not free a dead buffer that a later allocation of the same dtype
     and size reuses (codegen/wrapper.py: FreeIfNotReusedLine, a LIFO pool per reuse key): its
     memory stays allocated until that allocation. Returns {freed storage: (step, storage that
-    reuses it)}, from a dry run of the phase. Pooled: buffers the graph allocated and donated
-    saved tensors; reusers: results the wrapper allocates (`allocates`: generated kernels and
-    mm/addmm/bmm writing into `out=`), not library kernels that allocate their own.
+    reuses it)}, from a dry run of the phase. Pooled: buffers the graph allocated; not its inputs
+    (saved tensors and tangents in the backward): the wrapper frees a graph input outright
+    (codegen_free: `FreeLine` for an `InputBuffer`, donated or not; donation only lets a result
+    be written over it in place, see _take_in_place). Counting saved tensors as pooled handed
+    their memory to reuses the wrapper gives a buffer of its own, which it then holds across
+    the attention backward (AttentionStack: 48 KiB under the measured peak). Reusers: results
+    the wrapper allocates (`allocates`: generated kernels and mm/addmm/bmm writing into
+    `out=`), not library kernels that allocate their own.
 
     Inductor reuses only when the two are adjacent or when holding the buffer keeps its own
     estimate of the graph's peak (`should_reuse_buffer`); on Llama it held six dead 688 KiB
@@ -347,7 +359,7 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
         taken = _take_in_place(node, step, created, live, storages, donors)
         for key in created:
             new = storages[key]
-            bucket = pool.get((new.dtype, new.nbytes))
+            bucket = pool.get((new.dtype, new.nbytes, new.aligned))
             if node in allocates and key not in taken and bucket:
                 old, freed_at = bucket.pop()
                 if held is None or _inductor_would_reuse(held, estimate[1], freed_at, step, new.nbytes):
@@ -357,8 +369,8 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
             live[key] = new
         for key in [k for k, s in live.items() if not s.pinned and s.last_step <= step]:
             old = live.pop(key)
-            if not old.user_visible and not old.from_input and old.category in (TEMPORARY, SAVED) and old.nbytes:
-                pool.setdefault((old.dtype, old.nbytes), []).append((key, step))
+            if not old.user_visible and not old.from_input and old.category == TEMPORARY and old.nbytes:
+                pool.setdefault((old.dtype, old.nbytes, old.aligned), []).append((key, step))
     return reuses
 
 
@@ -428,7 +440,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             for buf in kernel.allocates:
                 key = prefix + buf.name
                 key_of[buf.name] = key
-                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype)
+                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype, aligned=buf.aligned)
         return key_of
 
     def run(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, key_of: dict[str, str]) -> None:
@@ -468,12 +480,13 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     # ---- backward
     if bw is not None and bw_schedule is not None:
         def bw_input(node: fx.Node) -> str | None:
+            # tangents are held until the backward returns (see analyze_liveness)
             if node.name in handed_on:
                 return handed_on[node.name]
             if tp.is_tangent(node):
                 key = f"bw:{node.name}"
                 val = node.meta.get("val")
-                storages[key] = _Storage(tensor_nbytes(val), TEMPORARY, from_input=True,
+                storages[key] = _Storage(tensor_nbytes(val), TEMPORARY, from_input=True, pinned=True,
                                          dtype=str(getattr(val, "dtype", None)))
                 live[key] = storages[key]
                 return key

@@ -138,3 +138,70 @@ def test_inductors_reuse_rule_counts_what_earlier_reuses_hold():
     assert not _inductor_would_reuse(held, 20, freed_at=0, step=3, nbytes=4)  # 4 + 18 > 20
     assert held == [0, 18, 18, 0]
     assert _inductor_would_reuse(held, 20, freed_at=2, step=3, nbytes=100)  # adjacent: always
+
+
+def test_a_saved_tensor_the_backward_frees_is_not_held_for_a_later_allocation():
+    """Inductor's wrapper frees a graph input outright (codegen_free: FreeLine for an
+    InputBuffer, donated or not): a saved tensor is never kept for reuse. Counting it as pooled
+    handed its memory to a reuse the wrapper gives a temporary of its own, which it holds: on
+    the attention stack of test_inductor_e2e that hid a 16 KiB buffer held across the attention
+    backward (measured 535,848 B for 523,592 predicted once its workspace was counted exactly)."""
+    fw = _graph({"primals_1": 1024}, [("out", 1), ("saved", 1024)])
+    fw_schedule = InductorSchedule((_kernel(0, [("buf0", 4)], ["primals_1"]),
+                                    _kernel(1, [("buf1", 4 * KIB)], ["primals_1"])), ("buf0", "buf1"))
+    bw = _graph({"saved": 1024, "tangents_1": 1024}, [("grad", 1024)])
+    bw_schedule = InductorSchedule((
+        _kernel(0, [("buf0", 4 * KIB)], ["tangents_1"]),
+        _kernel(1, [("buf1", KIB)], ["buf0"]),  # buf0 dies: kept for the next 4 KiB allocation
+        _kernel(2, [("buf2", KIB)], ["saved", "buf1"]),  # the saved tensor dies: freed
+        _kernel(3, [("buf3", 4 * KIB)], ["buf2"]),  # takes buf0's memory, held since k1
+    ), ("buf3",))
+    timeline = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule, saved_names=("out", "saved"))
+    steps = [s.live_bytes for s in timeline.steps if s.phase == "backward"]
+    assert steps[2] == steps[1] + KIB  # buf2 added, buf0 still allocated (dead, held for buf3)
+    assert steps[3] == steps[2] - 4 * KIB - KIB  # the saved tensor and buf1 freed; buf3 in buf0
+
+
+def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
+    """The wrapper's reuse key includes alignment (buffer_reuse_key): the outputs of a library
+    call returning a tuple (attention's gradients) are assumed not aligned, so the next aligned
+    allocation of their size takes an older aligned buffer, held meanwhile, not them."""
+    x = 4 * KIB
+    fw = _graph({"primals_1": 1024}, [("out", 1024)])
+    unaligned = ScheduledKernel(1, "k1", (ScheduledBuffer("buf1", 4 * KIB, F32, aligned=False),), ("buf0",), (),
+                                False)
+    kernels = (
+        _kernel(0, [("buf0", 4 * KIB)], ["primals_1"]),
+        unaligned,  # buf0 dies here: kept for the next aligned 4 KiB allocation
+        _kernel(2, [("buf2", KIB)], ["buf1"]),  # buf1 dies: its key has no taker, freed
+        _kernel(3, [("buf3", 4 * KIB)], ["buf2"]),  # takes buf0's memory
+    )
+    steps = _forward_steps(analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf3",)), None))
+    assert steps[2] == x + 4 * KIB + 4 * KIB + KIB  # buf0 held, buf1 read, buf2 new
+    assert steps[3] == x + KIB + 4 * KIB  # buf1 freed, buf3 in buf0's memory
+
+
+def test_a_tangent_stays_allocated_until_the_backward_returns():
+    """AOTAutograd's backward receives the tangents as arguments, so they stay allocated through
+    the whole backward although the graph reads them once (the wrapper's `del tangents_1` drops
+    one reference of several). GPT-2's loss gradient, counted freed after its first kernel, put
+    the check 4 bytes under the measured peak; a large tangent would put it further under."""
+    fw = _graph({"primals_1": 1024}, [("out", 1024)])
+    fw_schedule = InductorSchedule((_kernel(0, [("buf0", 4 * KIB)], ["primals_1"]),), ("buf0",))
+    graph = fx.Graph()  # tangents_1 -> a -> grad: the tangent's only reader is the first node
+    tangent = graph.placeholder("tangents_1")
+    a = graph.create_node("call_function", torch.ops.aten.mul.Tensor, (tangent, tangent), name="a")
+    grad = graph.create_node("call_function", torch.ops.aten.mul.Tensor, (a, a), name="grad")
+    for node in (tangent, a, grad):
+        node.meta["val"] = torch.empty(1024)
+    graph.output([grad])
+    bw = fx.GraphModule(torch.nn.Module(), graph)
+    bw_schedule = InductorSchedule((
+        _kernel(0, [("buf0", 4 * KIB)], ["tangents_1"]),
+        _kernel(1, [("buf1", 4 * KIB)], ["buf0"]),
+    ), ("buf1",))
+    for timeline in (analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule), analyze_liveness(fw, bw, 1)):
+        last = [s.live_bytes - OP_SCRATCH_BYTES for s in timeline.steps if s.phase == "backward"][-1]
+        # primals_1, the forward's output (the caller holds it), the tangent, the last
+        # kernel's input and its result: 4 KiB each
+        assert last == 5 * 4 * KIB
