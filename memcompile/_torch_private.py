@@ -352,10 +352,12 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
                                 continue
                             if isinstance(getattr(donor, "defining_op", None), NopKernelSchedulerNode):
                                 continue
-                            # uses by kernels run before, or by nodes this one depends on, are done
+                            # uses by kernels run before are done; the other nodes of this fused
+                            # kernel are not (Scheduler.codegen marks a kernel's operations
+                            # completed after the whole kernel): GPT-2's fused tanh backward
+                            # allocated anew where the donor was read by two of its nodes
                             remaining = [u for u in donor.users if not isinstance(u.node, BaseSchedulerNode)
-                                         or (kernel_of.get(u.node.get_name(), -1) >= index
-                                             and u.node.get_name() not in sub.ancestors)]
+                                         or kernel_of.get(u.node.get_name(), -1) >= index]
                             if len(remaining) == 1 and remaining[0].node is sub and remaining[0].can_inplace:
                                 candidates.append((out.get_name(), base_of(read)))
             node = snode.node
