@@ -56,17 +56,23 @@ def step_corrections(
         key = (phase, node)
         checked[key] = max(checked.get(key, 0), live)
     known: list[int | None] = [checked.get(key) for key in step_keys]
-    filled = list(known)
-    for t, value in enumerate(known):
+    # The nearest named value before and after each step within its phase: one pass each way.
+    before: list[int | None] = []
+    last: dict[str, int | None] = {}
+    for (phase, _), value in zip(step_keys, known):
+        before.append(last.get(phase))
         if value is not None:
-            continue
+            last[phase] = value
+    after: list[int | None] = [None] * len(known)
+    last = {}
+    for t in range(len(known) - 1, -1, -1):
         phase = step_keys[t][0]
-        before = next((known[s] for s in range(t - 1, -1, -1)
-                       if step_keys[s][0] == phase and known[s] is not None), None)
-        after = next((known[s] for s in range(t + 1, len(known))
-                      if step_keys[s][0] == phase and known[s] is not None), None)
-        neighbours = [v for v in (before, after) if v is not None]
-        filled[t] = max(neighbours) if neighbours else None
+        after[t] = last.get(phase)
+        if known[t] is not None:
+            last[phase] = known[t]
+    filled = [value if value is not None else
+              max((v for v in (b, a) if v is not None), default=None)
+              for value, b, a in zip(known, before, after)]
     delta = tuple(0 if c is None else c - m for c, m in zip(filled, model_loads))
     return StepCorrection(delta_bytes=delta, matched_steps=sum(v is not None for v in known))
 
