@@ -571,10 +571,29 @@ def test_event_level_fallback_returns_valid_schedules_above_the_proven_bound(p: 
     if not result.schedule:
         assert result.status in NO_SCHEDULE
         return
-    assert result.status == "heuristic_events"
     peak, cost = replay(p, result.schedule)
     assert peak <= budget and (peak, cost) == (result.peak, result.cost)
     assert c0 - 1e-9 <= result.proven_lower_bound <= cost + 1e-9
+    # Optimal exactly when a proven bound reaches the fallback's cost (how soon depends on time).
+    closed = result.proven_lower_bound >= cost * (1 - 1e-9)
+    assert result.status == ("optimal" if closed else "heuristic_events")
+
+
+def test_event_level_fallback_schedule_is_proven_optimal_when_the_bound_reaches_it() -> None:
+    # Found by CI: a proven bound (the covering LP, or the proven cost bound when given time)
+    # reaches the fallback's cost, 2; the status must then say optimal, and only then.
+    from unittest import mock
+
+    from memcompile.solver import remat as R
+
+    preds = ((), (0,), (0, 1), (2,), (3,), (4,), (5,), (2, 6), (0, 7))
+    p = RematProblem(tuple(f"n{i}" for i in range(9)), preds, (0, 1, 0, 0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 2, 9, 3, 8, 1))
+    no_plan = lambda problem, capacity, substeps, c, deadline, cheapest=False: (R._make_grid(problem, substeps, c), None)  # noqa: E731
+    with mock.patch.object(R, "_LARGE_MODEL", -1), mock.patch.object(R, "_grid_with_greedy_plan", no_plan):
+        result = solve_remat(p, 12, time_limit_s=5)
+    assert replay(p, result.schedule) == (result.peak, result.cost) and result.peak <= 12
+    closed = result.proven_lower_bound >= result.cost * (1 - 1e-9)
+    assert result.status == ("optimal" if closed else "heuristic_events")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -112,7 +112,8 @@ class RematProblem:
 class RematResult:
     """Outcome of `solve_remat`.
 
-    status: "optimal" (proven within the formulation), "feasible" (CP-SAT schedule, gap > 0),
+    status: "optimal" (proven within the formulation, or the proven bound reaches the cost,
+    however the schedule was found), "feasible" (CP-SAT schedule, gap > 0),
     "heuristic" (model too large for CP-SAT in time: greedy + repair search, gap vs proven bound),
     "heuristic_events" (the stage grid found no schedule: event-level eviction schedule from
     `remat_events`, gap vs proven bound),
@@ -1524,6 +1525,8 @@ def _with_schedule(
     lower = min(lower, cost)  # float round-off in the scaled objective must not overshoot
     proven = min(proven, lower)
     gap = 0.0 if cost == 0 else max(0.0, (cost - lower) / cost)
+    if proven >= cost * (1 - 1e-9):  # no schedule under the budget is cheaper
+        status = "optimal"
     return RematResult(
         schedule=schedule,
         peak=peak,
