@@ -111,6 +111,11 @@ def stock_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
     return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def linear_ops() -> frozenset:
+    """F.linear as Dynamo records it (its C binding, torch._C._nn.linear) and as users write it."""
+    return frozenset({torch.nn.functional.linear, torch._C._nn.linear})
+
+
 def is_fake_tensor(x: object) -> bool:
     return isinstance(x, _FakeTensor)
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.cost_models.device import blas_workspace_bytes
 from memcompile.passes.graph_facts import step_device
+from memcompile.passes.loss_head import LossHead, chunk_loss_heads
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
@@ -45,6 +46,7 @@ class _CompileRecord:
     plan: Plan | None = None
     inputs: InputBytes | None = None
     request: PlanRequest | None = None  # what the region asks of the planner (and gets back)
+    graph_rewrites: tuple[str, ...] = ()  # what the region changed in its graph before compiling
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -75,6 +77,8 @@ class Partitioner(tp.PartitionerBase):
         sizes = planning_sizes_now()
         if sizes:
             plan = dataclasses.replace(plan, size_bounds=tuple(sorted((str(k), v) for k, v in sizes.items())))
+        if record is not None and record.graph_rewrites:
+            plan = dataclasses.replace(plan, graph_rewrites=record.graph_rewrites)
         if record is not None:
             record.plan = plan
             record.inputs = inputs
@@ -150,6 +154,9 @@ class _Region:
 
     def __init__(self, backend: "Backend", gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         self.backend = backend
+        self.loss_heads: tuple[LossHead, ...] = ()
+        if backend.options.chunk_loss is True:
+            gm, self.loss_heads = chunk_loss_heads(gm)
         self.gm = gm
         self.pristine_graph = copy.deepcopy(gm.graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -186,8 +193,28 @@ class _Region:
             return self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
                                  PlanRequest(least_peak=cautious))
 
-        self._first = self._plan_for_position(position, outside, compile_for)
+        try:
+            self._first = self._plan_for_position(position, outside, compile_for)
+        except InfeasibleBudgetError as error:
+            if backend.options.chunk_loss != "auto" or self.loss_heads or not self._chunk_loss_heads():
+                raise
+            log.info("memcompile: no plan fits with the loss head whole (min %s); chunking it: %s",
+                     format_bytes(error.min_feasible_bytes), "; ".join(h.describe() for h in self.loss_heads))
+            try:
+                self._first = self._plan_for_position(position, outside, compile_for)
+            except InfeasibleBudgetError as chunked_error:
+                raise chunked_error if chunked_error.min_feasible_bytes <= error.min_feasible_bytes else error
         self._current = (self._first, outside)
+
+    def _chunk_loss_heads(self) -> bool:
+        """Chunk this region's loss heads (passes/loss_head.py) for every later compile; False
+        if it has none."""
+        gm, heads = chunk_loss_heads(fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph)))
+        if not heads:
+            return False
+        self.gm, self.loss_heads = gm, heads
+        self.pristine_graph = copy.deepcopy(gm.graph)
+        return True
 
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  request: PlanRequest) -> _Variant:
@@ -195,7 +222,7 @@ class _Region:
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it.
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
-        record = _CompileRecord(request=request)
+        record = _CompileRecord(request=request, graph_rewrites=tuple(h.describe() for h in self.loss_heads))
         token = _RECORD.set(record)
         try:
             with planning_sizes(self.sizes):

@@ -72,6 +72,9 @@ class Options:
     # Part of reserve_bytes: the matmul library's workspaces on the step's device (set by the
     # backend from the first graph's inputs; cost_models/device.py blas_workspace_bytes).
     library_workspace_bytes: int = 0
+    # Chunk linear -> cross_entropy loss heads by token rows (passes/loss_head.py): "auto" when no
+    # plan fits without it, True always, False never.
+    chunk_loss: bool | str = "auto"
 
     @property
     def step_budget_bytes(self) -> int:
@@ -90,7 +93,8 @@ class Options:
 
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
-    known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps"}
+    known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps",
+             "chunk_loss"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
@@ -122,8 +126,13 @@ def make_options(limit: object, **overrides: object) -> Options:
     link = overrides.pop("host_link_gbps", None)
     if link is not None and (isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 < link < math.inf):
         raise ValueError(f"host_link_gbps={link!r}: expected a positive number of GB/s (e.g. 25 for PCIe 4 x16) or None")
+    chunk_loss = overrides.pop("chunk_loss", "auto")
+    if not (isinstance(chunk_loss, bool) or chunk_loss == "auto"):
+        raise ValueError(f"chunk_loss={chunk_loss!r}: expected 'auto' (the default: chunk a linear -> cross_entropy "
+                         "loss head when no plan fits without it), True (always) or False (never)")
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
-                   None if offload == "auto" else offload, None if link is None else float(link))
+                   None if offload == "auto" else offload, None if link is None else float(link),
+                   chunk_loss=chunk_loss)
 
 
 QUANTIZE_FORMATS = ("int8", "fp8", "bf16")

@@ -54,6 +54,8 @@ class Plan:
     # (larger ones are re-planned before they run). Empty for static shapes.
     size_bounds: tuple[tuple[str, int], ...] = ()
     library_workspace_bytes: int = 0  # part of reserve_bytes: the matmul library's workspaces
+    # Rewrites of the user's graph before planning (passes/loss_head.py), one line each.
+    graph_rewrites: tuple[str, ...] = ()
 
     @property
     def step_budget_bytes(self) -> int:

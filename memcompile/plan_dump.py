@@ -141,6 +141,7 @@ def plan_text(plan: Plan) -> str:
         f" at {plan.peak_phase} node {plan.peak_node}",
         f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s, gap {plan.gap:.1%}",
         f"  added step time  ~{format_seconds(plan.added_time_s)} (estimate)",
+        *(f"  rewrite          {rewrite}" for rewrite in plan.graph_rewrites),
         "",
         *breakdown_lines(plan),
         "",
@@ -246,7 +247,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
     if isinstance(data, str):
         data = json.loads(data)
     try:
-        data = {"library_workspace_bytes": 0, **data}  # files written before it was recorded
+        data = {"library_workspace_bytes": 0, "graph_rewrites": [], **data}  # files written before these
         _exact_keys(data, Plan.__dataclass_fields__, f"plan {data.get('graph_id', '?')}")
         return Plan(
             graph_id=str(data["graph_id"]),
@@ -266,6 +267,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             live_bytes_after=tuple(int(b) for b in data["live_bytes_after"]),
             size_bounds=tuple((str(n), int(v)) for n, v in data.get("size_bounds", ())),
             library_workspace_bytes=int(data["library_workspace_bytes"]),
+            graph_rewrites=tuple(str(r) for r in data["graph_rewrites"]),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error

@@ -7,6 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from memcompile import loss_ops
 from memcompile.sizes import size_value
 
 
@@ -173,6 +174,9 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
     """Bytes a library kernel allocates and frees inside itself while `node` runs."""
     if node.op != "call_function":
         return 0
+    if node.target in (loss_ops.FORWARD, loss_ops.BACKWARD):
+        args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
+        return loss_ops.workspace_bytes(node.target, args)
     name = str(getattr(node.target, "__name__", node.target))
     if "scaled_dot_product" in name:
         known = _attention_workspace(node, name)

@@ -1,0 +1,122 @@
+"""A loss head computed chunk by chunk: linear -> cross-entropy without ever holding the whole logits.
+
+`chunked_linear_cross_entropy(h, W, b, t, ignore_index, rows)` returns the summed cross-entropy
+of `h @ W.T + b` (in float32) against `t` over the tokens whose target is not `ignore_index`,
+and each token's log-sum-exp. Its backward recomputes each chunk's logits from `h` and `W`
+(one more head matmul than the unchunked backward) instead of keeping them.
+
+Why custom ops (torch.library) and not the same ops in the graph: Inductor fuses the chunks'
+pointwise kernels horizontally (they read the same targets and the same incoming gradient), which
+brings every chunk's logits back to life at once. An op is opaque to fusion: its chunks run one at
+a time, and the memory it needs while it runs is exactly `workspace_bytes` (tested against the
+allocator's events in tests/test_loss_head.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    return logits.float()  # a no-op for float32; lower precision heads are upcast like .float() logits
+
+
+@torch.library.custom_op("memcompile::chunked_linear_cross_entropy", mutates_args=())
+def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                 target: torch.Tensor, ignore_index: int, rows: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], rows):
+        stop = min(start + rows, h.shape[0])
+        logits = _chunk_logits(h[start:stop], weight, bias)
+        t = target[start:stop]
+        counted = t != ignore_index
+        picked = logits.gather(1, torch.where(counted, t, 0).unsqueeze(1)).squeeze(1)
+        # log-sum-exp in place: the chunk's logits are the only chunk-sized buffer
+        top = logits.amax(1, keepdim=True)
+        chunk_lse = logits.sub_(top).exp_().sum(1).log_().add_(top.squeeze(1))
+        lse[start:stop] = chunk_lse
+        total += torch.where(counted, chunk_lse - picked, 0.0).sum()
+        del logits  # before the next chunk's logits are allocated
+    return total, lse
+
+
+@chunked_linear_cross_entropy.register_fake
+def _(h, weight, bias, target, ignore_index, rows):
+    return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("memcompile::chunked_linear_cross_entropy_backward", mutates_args=())
+def chunked_linear_cross_entropy_backward(grad_total: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                                          bias: Optional[torch.Tensor], target: torch.Tensor, lse: torch.Tensor,
+                                          ignore_index: int, rows: int
+                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_h = torch.empty_like(h)
+    # float32 accumulators for lower precision weights (as one unchunked matmul accumulates)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    # without a bias: an empty tensor (a custom op cannot return None)
+    grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=weight.device)
+    for start in range(0, h.shape[0], rows):
+        stop = min(start + rows, h.shape[0])
+        h_chunk, t = h[start:stop], target[start:stop]
+        # d total / d logits = softmax - one_hot(target), on counted tokens, in place of the logits
+        grad_logits = _chunk_logits(h_chunk, weight, bias).sub_(lse[start:stop].unsqueeze(1)).exp_()
+        counted = t != ignore_index
+        rows_counted = torch.arange(stop - start, device=h.device)[counted]
+        grad_logits[rows_counted, t[counted]] -= 1.0
+        grad_logits.mul_((counted.unsqueeze(1) * grad_total).to(torch.float32))
+        grad_h[start:stop] = (grad_logits @ weight.float()).to(h.dtype)
+        grad_weight.addmm_(grad_logits.t(), h_chunk.float())
+        if bias is not None:
+            grad_bias += grad_logits.sum(0)
+        del grad_logits  # before the next chunk's logits are allocated
+    return grad_h, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+
+
+@chunked_linear_cross_entropy_backward.register_fake
+def _(grad_total, h, weight, bias, target, lse, ignore_index, rows):
+    return torch.empty_like(h), torch.empty_like(weight), weight.new_empty(weight.shape[0] if bias is not None else 0)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    h, weight, bias, target, ignore_index, rows = inputs
+    ctx.save_for_backward(h, weight, bias, target, output[1])
+    ctx.ignore_index, ctx.rows = ignore_index, rows
+
+
+def _backward(ctx, grad_total, grad_lse):
+    h, weight, bias, target, lse = ctx.saved_tensors
+    grad_h, grad_weight, grad_bias = chunked_linear_cross_entropy_backward(
+        grad_total, h, weight, bias, target, lse, ctx.ignore_index, ctx.rows)
+    return grad_h, grad_weight, grad_bias if bias is not None else None, None, None, None
+
+
+chunked_linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+FORWARD = torch.ops.memcompile.chunked_linear_cross_entropy.default
+BACKWARD = torch.ops.memcompile.chunked_linear_cross_entropy_backward.default
+
+
+def workspace_bytes(op: object, args: tuple) -> int:
+    """Bytes the op allocates and frees inside itself, from its arguments' shapes and dtypes
+    (fake tensors at planning time); 0 for other ops."""
+    if op not in (FORWARD, BACKWARD):
+        return 0
+    h, weight, bias = (args[0], args[1], args[2]) if op is FORWARD else (args[1], args[2], args[3])
+    rows = args[-1]
+    tokens, hidden = h.shape
+    vocab = weight.shape[0]
+    chunk = min(rows, tokens)
+    upcast = weight.dtype != torch.float32
+    logits = chunk * vocab * 4 + (chunk * vocab * weight.element_size() if upcast else 0)
+    if op is FORWARD:
+        # logits (and its low precision matmul result), targets mask, gathered index and picks
+        return logits + chunk * 32 + 128
+    extra = (vocab * hidden * 4 + chunk * hidden * 4) if upcast else 0  # float copies of W and h_chunk
+    # logits, mask/index, gradient rows for h, the float32 accumulators when W is not float32
+    accumulators = (vocab * hidden * 4 + (vocab * 4 if bias is not None else 0)) if upcast else 0
+    return logits + chunk * hidden * 4 + extra + accumulators + chunk * 40 + 256

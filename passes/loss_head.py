@@ -1,0 +1,193 @@
+"""Chunk a language model's loss head: linear -> cross_entropy over the vocabulary, by token rows.
+
+Why: the logits of a loss head (tokens x vocabulary) are often the largest tensors of a step, and
+the backward of an unchunked cross-entropy holds two of them at once (the saved logits and their
+gradient) right where the backward starts. No keep/recompute choice removes that: it is the
+floor of the step's peak for GPT-2, Llama and BERT (benchmarks/results/pareto_small.md). Split
+by token rows, each chunk's logits and their gradient exist one chunk at a time, and each chunk's
+saved logits become one more activation the solver can keep or recompute.
+
+The rewrite works on Dynamo's graph (torch-level calls) before AOTAutograd: the head becomes one
+call of `memcompile.loss_ops.chunked_linear_cross_entropy` (a custom op: Inductor cannot fuse
+its chunks back together; its backward recomputes each chunk's logits), and for
+reduction="mean" a division by the count of targets not equal to `ignore_index`, which is
+exactly what PyTorch's mean reduction computes. Gradients equal the unchunked ones up to float
+reassociation of the sums over chunks.
+
+Matched pattern (every intermediate used once, static shapes, no class weights, no label
+smoothing): cross_entropy(view(-1, V)([float](linear(h, W, b))), target).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from memcompile import loss_ops
+from memcompile._torch_private import linear_ops
+
+_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
+# Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
+# that the loss head stops being the floor, large enough that the matmuls stay efficient.
+_CHUNK_LOGITS_OVER_HIDDEN = 2
+_MAX_CHUNKS = 16
+_MIN_CHUNK_ROWS = 16
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """One matched loss head of a graph (node names) and how it would be chunked."""
+
+    linear: str
+    target: str
+    logits_view: str
+    upcast: str  # the float() node between linear and view, or "" if none
+    cross_entropy: str
+    tokens: int
+    vocab: int
+    hidden: int
+    ignore_index: int
+    reduction: str  # "mean" or "sum"
+    chunks: int
+
+    @property
+    def logits_bytes(self) -> int:
+        return self.tokens * self.vocab * 4
+
+    def describe(self) -> str:
+        return (f"loss head {self.cross_entropy}: linear -> cross_entropy over {self.vocab} classes, "
+                f"{self.tokens} tokens, chunked into {self.chunks} (reduction={self.reduction})")
+
+
+def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    shape = tuple(value.shape)
+    return shape if all(isinstance(s, int) for s in shape) else None
+
+
+def _is_call(node: object, targets: set, method: str = "") -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in targets
+    return node.op == "call_method" and node.target == method
+
+
+def _is_upcast(node: fx.Node) -> bool:
+    """x.float() or x.to(torch.float32): a cast to float32 and nothing else."""
+    if node.op != "call_method":
+        return False
+    if node.target == "float":
+        return len(node.args) == 1 and not node.kwargs
+    return node.target == "to" and len(node.args) == 2 and node.args[1] is torch.float32 and not node.kwargs
+
+
+def _is_row_flatten(node: fx.Node, vocab: int) -> bool:
+    """logits.view(-1, V) / reshape: flattens the leading dimensions, keeps the class dimension."""
+    if node.op != "call_method" or node.target not in ("view", "reshape") or node.kwargs:
+        return False
+    dims = node.args[1:]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    return len(dims) == 2 and dims[1] in (vocab, -1) and all(isinstance(d, int) for d in dims)
+
+
+def _chunks(tokens: int, vocab: int, hidden: int) -> int:
+    wanted = math.ceil(vocab / (_CHUNK_LOGITS_OVER_HIDDEN * hidden))
+    return max(1, min(_MAX_CHUNKS, wanted, tokens // _MIN_CHUNK_ROWS))
+
+
+def find_loss_heads(graph: fx.Graph) -> tuple[LossHead, ...]:
+    """The loss heads of a Dynamo graph that chunking would split into more than one chunk."""
+    heads = []
+    for node in graph.nodes:
+        if not _is_call(node, {F.cross_entropy}):
+            continue
+        try:
+            bound = _CROSS_ENTROPY_SIGNATURE.bind(*node.args, **node.kwargs)
+        except TypeError:
+            continue
+        arguments = {**{k: p.default for k, p in _CROSS_ENTROPY_SIGNATURE.parameters.items()}, **bound.arguments}
+        if (arguments["weight"] is not None or arguments["size_average"] is not None
+                or arguments["reduce"] is not None or arguments["label_smoothing"] != 0.0
+                or arguments["reduction"] not in ("mean", "sum") or not isinstance(arguments["ignore_index"], int)):
+            continue
+        view, target = arguments["input"], arguments["target"]
+        if not isinstance(view, fx.Node) or not isinstance(target, fx.Node) or len(view.users) != 1:
+            continue
+        upcast = view.args[0] if isinstance(view.args[0], fx.Node) and _is_upcast(view.args[0]) else None
+        linear = upcast.args[0] if upcast is not None else view.args[0]
+        if upcast is not None and len(upcast.users) != 1:
+            continue
+        if not _is_call(linear, linear_ops()) or len(linear.users) != 1 or linear.kwargs:
+            continue
+        logits_shape, view_shape, target_shape = _static_shape(linear), _static_shape(view), _static_shape(target)
+        hidden_node = linear.args[0]
+        hidden_shape = _static_shape(hidden_node) if isinstance(hidden_node, fx.Node) else None
+        if None in (logits_shape, view_shape, target_shape, hidden_shape) or len(view_shape) != 2:
+            continue
+        tokens, vocab = view_shape
+        value = linear.meta["example_value"]
+        if (not _is_row_flatten(view, vocab) or logits_shape[-1] != vocab or target_shape != (tokens,)
+                or not value.is_floating_point() or (upcast is None and value.dtype != torch.float32)):
+            continue
+        chunks = _chunks(tokens, vocab, hidden_shape[-1])
+        if chunks < 2:
+            continue
+        heads.append(LossHead(linear.name, target.name, view.name, upcast.name if upcast is not None else "", node.name,
+                              tokens, vocab, hidden_shape[-1], arguments["ignore_index"], arguments["reduction"],
+                              chunks))
+    return tuple(heads)
+
+
+def chunk_loss_heads(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[LossHead, ...]]:
+    """A copy of `gm` with every loss head chunked (see the module docstring), and the heads.
+    Returns `gm` itself and () when no loss head matches."""
+    heads = find_loss_heads(gm.graph)
+    if not heads:
+        return gm, ()
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    by_name = {n.name: n for n in out.graph.nodes}
+    for head in heads:
+        _rewrite(out.graph, head, by_name)
+    out.graph.lint()
+    out.recompile()
+    return out, heads
+
+
+def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> None:
+    ce, view, linear = by_name[head.cross_entropy], by_name[head.logits_view], by_name[head.linear]
+    upcast = by_name[head.upcast] if head.upcast else None
+    hidden, weight = linear.args[0], linear.args[1]
+    bias = linear.args[2] if len(linear.args) > 2 else None
+    target = by_name[head.target]
+    rows = math.ceil(head.tokens / head.chunks)
+    meta = {k: v for k, v in ce.meta.items() if k not in ("example_value", "val", "tensor_meta")}
+
+    def add(op: str, target_fn, args: tuple) -> fx.Node:
+        node = graph.create_node(op, target_fn, args, {})
+        node.meta.update(meta)
+        return node
+
+    with graph.inserting_before(ce):
+        flat = add("call_method", "reshape", (hidden, -1, head.hidden))
+        out = add("call_function", loss_ops.FORWARD, (flat, weight, bias, target, head.ignore_index, rows))
+        loss = add("call_function", operator.getitem, (out, 0))
+        if head.reduction == "mean":
+            # PyTorch's mean over the targets it counts (0/0 = nan when none is, as in eager)
+            counted = add("call_function", operator.ne, (target, head.ignore_index))
+            count = add("call_method", "sum", (counted,))
+            loss = add("call_function", operator.truediv, (loss, count))
+    ce.replace_all_uses_with(loss)
+    for node in (ce, view, upcast, linear):
+        if node is not None:
+            graph.erase_node(node)
