@@ -2,9 +2,15 @@
 wrapper allocates although no other kernel reads them: lowering and scheduling only, no code
 generation (fast), checked against what the generated wrapper allocated when this was written
 (GPT-2 small's backward: `buf0 = empty_strided_cpu((512, 1), ...)` for the fused log-softmax
-backward, `buf3`, `buf4` for the fused layer-norm backward, each later reused)."""
+backward, `buf3`, `buf4` for the fused layer-norm backward, each later reused); and the
+inputs it lets a kernel write its result over, against what Inductor's own code generation
+decided (`Scheduler.decide_inplace_update`, recorded as the wrapper writes each reuse)."""
 
 from __future__ import annotations
+
+import contextlib
+import copy
+import math
 
 import pytest
 import torch
@@ -13,6 +19,7 @@ import torch.nn as nn
 import memcompile
 from memcompile import _torch_private as tp
 from memcompile import planner
+from memcompile.passes import liveness
 
 pytestmark = pytest.mark.inductor
 
@@ -57,3 +64,156 @@ def test_row_statistics_a_cpp_kernel_fused_over_an_outer_loop_passes_between_its
     kept = [buf for kernel in schedule.kernels if kernel.wrapper_allocates for buf in kernel.allocates
             if buf.name not in read_by_a_kernel and buf.name not in schedule.outputs]
     assert kept and all(buf.nbytes == rows * 4 for buf in kept), kept
+
+
+@contextlib.contextmanager
+def _recording_inductor():
+    """Inside: every graph Inductor generates code for, as (a copy of the graph after its
+    post-grad passes: what inductor_schedule is given, is_backward), and every in-place reuse its
+    wrapper writes, as (graph index, result, input written over). Graphs lowered only to be
+    scheduled (the planner's check) are not recorded. Caches off, so code generation runs."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+
+    graphs, reuses, index_of = [], [], {}
+    lower, codegen, reuse = (GraphLowering.__init__, GraphLowering.codegen,
+                             PythonWrapperCodegen.codegen_inplace_reuse)
+
+    def recording_lower(self, gm, *args, **kwargs):
+        self.memcompile_test_copy = copy.deepcopy(gm)
+        lower(self, gm, *args, **kwargs)
+
+    def recording_codegen(self, *args, **kwargs):
+        index_of[id(self)] = len(graphs)
+        graphs.append((self.memcompile_test_copy, self.is_backward))
+        return codegen(self, *args, **kwargs)
+
+    def recording_reuse(self, input_buffer, output_buffer):
+        reuses.append((index_of[id(V.graph)], output_buffer.get_name(), input_buffer.get_name()))
+        return reuse(self, input_buffer, output_buffer)
+
+    GraphLowering.__init__, GraphLowering.codegen = recording_lower, recording_codegen
+    PythonWrapperCodegen.codegen_inplace_reuse = recording_reuse
+    try:
+        with torch.compiler.config.patch(force_disable_caches=True):
+            yield graphs, reuses
+    finally:
+        GraphLowering.__init__, GraphLowering.codegen = lower, codegen
+        PythonWrapperCodegen.codegen_inplace_reuse = reuse
+
+
+def _in_place_pairs(schedule) -> set[tuple[str, str]]:
+    return {(result, donor) for kernel in schedule.kernels for result, donor in kernel.in_place_candidates}
+
+
+def _own_buffer_read_first(x, w):
+    # tanh is realized (a heavy op read twice on CPU) in the kernel that computes the result:
+    # the result's first read is that buffer, its second the mm's result
+    a, m = torch.tanh(x), x @ w
+    return a * m + a * 2
+
+
+def _library_result_read_first(x, w):
+    a, m = torch.tanh(x), x @ w
+    return m * a + a * 2
+
+
+def _read_at_one_index_by_a_fused_reduction(x, w):
+    m = x @ w
+    return m / m.sum(-1, keepdim=True)
+
+
+def _read_transposed_by_a_fused_reduction(x, w):
+    m = x @ w
+    return m / (m + m.t()).sum(-1, keepdim=True)
+
+
+def _read_in_part_by_a_fused_reduction(x, w):
+    m = x @ w
+    return m / m[:, : m.shape[1] // 2].sum(-1, keepdim=True)
+
+
+# (graph, whose storage its result takes: the kernel's "own" buffer, the mm's "library" result, or None)
+IN_PLACE_CASES = {
+    # two eligible reads: Inductor writes over the first one, here the kernel's own tanh buffer,
+    # and the mm's result stays allocated (GPT-2's fused tanh-GELU backward, 1 MiB there)
+    "own_buffer_read_first": (_own_buffer_read_first, "own"),
+    "library_result_read_first": (_library_result_read_first, "library"),
+    # the mm's result is read by two nodes of one fused kernel: at one index it is taken...
+    "read_at_one_index_by_a_fused_reduction": (_read_at_one_index_by_a_fused_reduction, "library"),
+    # ...at two (transposed, or a part of it by the row sum) it is not
+    "read_transposed_by_a_fused_reduction": (_read_transposed_by_a_fused_reduction, None),
+    "read_in_part_by_a_fused_reduction": (_read_in_part_by_a_fused_reduction, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_PLACE_CASES))
+def test_in_place_donors_are_the_inputs_inductor_writes_over_and_the_check_meets_the_measured_peak(
+        case, monkeypatch):
+    """The (result, donor) pairs of the schedule are the reuses Inductor's wrapper wrote for the
+    same graph, and the check over it (without its per-step margin) is the measured peak of the
+    compiled call. Before the donor rule followed Scheduler.decide_inplace_update (the first
+    eligible read only; none accessed at two indices in the fused kernel), the check took the
+    mm's 16 KiB result as donor in the own-buffer case and in both two-index cases: 16 KiB
+    under the measured peak."""
+    fn, expected_donor = IN_PLACE_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(64, 64, generator=generator) for _ in range(2))
+    compiled = torch.compile(fn)
+    with _recording_inductor() as (graphs, reuses), torch.no_grad():
+        torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=1e-4, atol=1e-4)
+        measured = memcompile.measure_peak(lambda: compiled(x, w), live_at_start=[x, w])
+    assert [is_backward for _, is_backward in graphs] == [False], "one inference graph"
+    graph = graphs[0][0]
+
+    schedule = tp.inductor_schedule(graph, is_backward=False)
+    assert _in_place_pairs(schedule) == {(result, donor) for _, result, donor in reuses}
+
+    # what the case is about: whose storage Inductor's result took
+    # (a buffer the schedule allocates for no kernel is one its own kernel keeps to itself)
+    library_call = {b.name: bool(k.extern_origin) for k in schedule.kernels for b in k.allocates}
+    kinds = {"own" if donor not in library_call else "library" if library_call[donor] else "other"
+             for _, _, donor in reuses}
+    assert kinds == ({expected_donor} if expected_donor else set()), (case, reuses)
+    if expected_donor is None:
+        # the kernel does read the mm's result, which dies there: only the two indices refuse it
+        monkeypatch.setattr(tp, "_one_access_in_kernel", lambda *args: True)
+        assert _in_place_pairs(tp.inductor_schedule(graph, is_backward=False))
+        monkeypatch.undo()
+
+    monkeypatch.setattr(liveness, "OP_SCRATCH_BYTES", 0)
+    timeline = liveness.analyze_scheduled_liveness(graph, None, 1, schedule, None)
+    assert measured.peak_bytes <= timeline.peak_bytes <= measured.peak_bytes + 1024, (
+        timeline.peak_bytes, measured.peak_bytes)
+
+
+class _TanhGELUBlock(nn.Module):
+    """GPT-2's MLP (Hugging Face's NewGELUActivation, tanh written out) with its residual."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.up(x)
+        gelu = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return x + self.down(gelu)
+
+
+def test_a_training_steps_in_place_donors_are_the_inputs_inductor_writes_over():
+    """Through the backend, forward and backward: the backward's fused tanh-GELU gradient reads
+    the mm's result first, then four saved tensors donated to the backward, each eligible;
+    Inductor writes over the first only. (Listing all five, the check still took the mm's
+    result, the first live one: the same peak here, but a wrong list of donors.)"""
+    torch.manual_seed(0)
+    model, x = _TanhGELUBlock(32), torch.randn(64, 32, requires_grad=True)
+    compiled = torch.compile(model, backend=memcompile.budget("1GB"))
+    with _recording_inductor() as (graphs, reuses):
+        compiled(x).sum().backward()
+    assert [is_backward for _, is_backward in graphs] == [False, True]
+    for index, (graph, is_backward) in enumerate(graphs):
+        schedule = tp.inductor_schedule(graph, is_backward=is_backward)
+        assert _in_place_pairs(schedule) == {(r, d) for i, r, d in reuses if i == index}, (
+            "backward" if is_backward else "forward")
+    assert any(i == 1 for i, _, _ in reuses), "the backward writes a result over an input"
