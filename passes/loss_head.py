@@ -2,10 +2,9 @@
 
 Why: the logits of a loss head (tokens x vocabulary) are often the largest tensors of a step, and
 the backward of an unchunked cross-entropy holds two of them at once (the saved logits and their
-gradient) right where the backward starts. No keep/recompute choice removes that: it is the
+gradient) right where the backward starts. No keep/recompute choice removes that: it was the
 floor of the step's peak for GPT-2, Llama and BERT (benchmarks/results/pareto_small.md). Split
-by token rows, each chunk's logits and their gradient exist one chunk at a time, and each chunk's
-saved logits become one more activation the solver can keep or recompute.
+by token rows, one chunk's logits and their gradient exist at a time, and no logits are saved.
 
 The rewrite works on Dynamo's graph (torch-level calls) before AOTAutograd: the head becomes one
 call of `memcompile.loss_ops.chunked_linear_cross_entropy` (a custom op: Inductor cannot fuse
@@ -57,10 +56,6 @@ class LossHead:
     reduction: str  # "mean" or "sum"
     chunks: int
 
-    @property
-    def logits_bytes(self) -> int:
-        return self.tokens * self.vocab * 4
-
     def describe(self) -> str:
         return (f"loss head {self.cross_entropy}: linear -> cross_entropy over {self.vocab} classes, "
                 f"{self.tokens} tokens, chunked into {self.chunks} (reduction={self.reduction})")
@@ -74,12 +69,8 @@ def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
     return shape if all(isinstance(s, int) for s in shape) else None
 
 
-def _is_call(node: object, targets: set, method: str = "") -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function":
-        return node.target in targets
-    return node.op == "call_method" and node.target == method
+def _is_call(node: object, targets: set | frozenset) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _is_upcast(node: fx.Node) -> bool:
