@@ -92,6 +92,13 @@ def _is_row_flatten(node: fx.Node, vocab: int) -> bool:
     return len(dims) == 2 and dims[1] in (vocab, -1) and all(isinstance(d, int) for d in dims)
 
 
+def _same_dtype(logits: torch.Tensor, linear_args: tuple) -> bool:
+    """The linear computes in its inputs' dtype: not so under autocast (the op is not autocast
+    aware), where its float32 weight would meet low precision hidden states."""
+    values = [a.meta.get("example_value") for a in linear_args if isinstance(a, fx.Node)]
+    return all(isinstance(v, torch.Tensor) and v.dtype == logits.dtype for v in values)
+
+
 def _chunks(tokens: int, vocab: int, hidden: int) -> int:
     wanted = math.ceil(vocab / (_CHUNK_LOGITS_OVER_HIDDEN * hidden))
     return max(1, min(_MAX_CHUNKS, wanted, tokens // _MIN_CHUNK_ROWS))
@@ -129,7 +136,8 @@ def find_loss_heads(graph: fx.Graph) -> tuple[LossHead, ...]:
         tokens, vocab = view_shape
         value = linear.meta["example_value"]
         if (not _is_row_flatten(view, vocab) or logits_shape[-1] != vocab or target_shape != (tokens,)
-                or not value.is_floating_point() or (upcast is None and value.dtype != torch.float32)):
+                or not value.is_floating_point() or (upcast is None and value.dtype != torch.float32)
+                or not _same_dtype(value, linear.args)):
             continue
         chunks = _chunks(tokens, vocab, hidden_shape[-1])
         if chunks < 2:

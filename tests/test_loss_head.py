@@ -137,7 +137,11 @@ def test_heads_the_rewrite_must_not_touch_are_left_alone() -> None:
     def not_a_linear(x):
         return F.cross_entropy(torch.tanh(head(embed(x))).view(-1, 300), targets)
 
-    for fn in (smoothed, weighted, logits_also_returned, per_token, not_a_linear):
+    def under_autocast(x):  # float32 weights, bf16 matmul: the op would get mixed dtypes
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(head(embed(x)).float().view(-1, 300), targets)
+
+    for fn in (smoothed, weighted, logits_also_returned, per_token, not_a_linear, under_autocast):
         torch._dynamo.reset()
         gm = _captured_graph(fn, ids)
         assert find_loss_heads(gm.graph) == (), fn.__name__
