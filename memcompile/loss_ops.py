@@ -8,15 +8,24 @@ and each token's log-sum-exp. Its backward recomputes each chunk's logits from `
 Why custom ops (torch.library) and not the same ops in the graph: Inductor fuses the chunks'
 pointwise kernels horizontally (they read the same targets and the same incoming gradient), which
 brings every chunk's logits back to life at once. An op is opaque to fusion: its chunks run one at
-a time, and the memory it needs while it runs is exactly `workspace_bytes` (tested against the
-allocator's events in tests/test_loss_head.py).
+a time, and the memory it needs while it runs is `workspace_bytes`: never less than the
+allocator's events, at most 8 KiB more in float32 (tests/test_loss_head.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
+
+
+def _without_autocast(device: torch.device):
+    """The op computes in its inputs' dtypes: the rewrite casts them as autocast would, and an
+    autocast region around the compiled step must not cast again inside."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -28,6 +37,11 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                  target: torch.Tensor, ignore_index: int, rows: int
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    with _without_autocast(h.device):
+        return _forward(h, weight, bias, target, ignore_index, rows)
+
+
+def _forward(h, weight, bias, target, ignore_index, rows):
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], rows):
@@ -55,6 +69,11 @@ def chunked_linear_cross_entropy_backward(grad_total: torch.Tensor, h: torch.Ten
                                           bias: Optional[torch.Tensor], target: torch.Tensor, lse: torch.Tensor,
                                           ignore_index: int, rows: int
                                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _without_autocast(h.device):
+        return _backward_chunks(grad_total, h, weight, bias, target, lse, ignore_index, rows)
+
+
+def _backward_chunks(grad_total, h, weight, bias, target, lse, ignore_index, rows):
     grad_h = torch.empty_like(h)
     # float32 accumulators for lower precision weights (as one unchunked matmul accumulates)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -117,6 +136,8 @@ def workspace_bytes(op: object, args: tuple) -> int:
         # logits (and its low precision matmul result), targets mask, gathered index and picks
         return logits + chunk * 32 + 128
     extra = (vocab * hidden * 4 + chunk * hidden * 4) if upcast else 0  # float copies of W and h_chunk
-    # logits, mask/index, gradient rows for h, the float32 accumulators when W is not float32
+    # logits, mask/index, the float32 accumulators when W is not float32
     accumulators = (vocab * hidden * 4 + (vocab * 4 if bias is not None else 0)) if upcast else 0
-    return logits + chunk * hidden * 4 + extra + accumulators + chunk * 40 + 256
+    # the chunk's gradient rows for h, then (freed by then) its column sum for the bias
+    rows_or_sum = max(chunk * hidden * 4, vocab * 4 if bias is not None else 0)
+    return logits + rows_or_sum + extra + accumulators + chunk * 40 + 256

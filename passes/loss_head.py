@@ -55,6 +55,9 @@ class LossHead:
     ignore_index: int
     reduction: str  # "mean" or "sum"
     chunks: int
+    # Under autocast the linear computes in a lower precision than its inputs: they are cast to it
+    # (as autocast does) before the op, which does not autocast by itself. None: no cast.
+    cast_to: torch.dtype | None = None
 
     def describe(self) -> str:
         return (f"loss head {self.cross_entropy}: linear -> cross_entropy over {self.vocab} classes, "
@@ -92,11 +95,9 @@ def _is_row_flatten(node: fx.Node, vocab: int) -> bool:
     return len(dims) == 2 and dims[1] in (vocab, -1) and all(isinstance(d, int) for d in dims)
 
 
-def _same_dtype(logits: torch.Tensor, linear_args: tuple) -> bool:
-    """The linear computes in its inputs' dtype: not so under autocast (the op is not autocast
-    aware), where its float32 weight would meet low precision hidden states."""
-    values = [a.meta.get("example_value") for a in linear_args if isinstance(a, fx.Node)]
-    return all(isinstance(v, torch.Tensor) and v.dtype == logits.dtype for v in values)
+def _tensor_args(node: fx.Node) -> list[torch.Tensor]:
+    values = [a.meta.get("example_value") for a in node.args if isinstance(a, fx.Node)]
+    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def _chunks(tokens: int, vocab: int, hidden: int) -> int:
@@ -136,15 +137,17 @@ def find_loss_heads(graph: fx.Graph) -> tuple[LossHead, ...]:
         tokens, vocab = view_shape
         value = linear.meta["example_value"]
         if (not _is_row_flatten(view, vocab) or logits_shape[-1] != vocab or target_shape != (tokens,)
-                or not value.is_floating_point() or (upcast is None and value.dtype != torch.float32)
-                or not _same_dtype(value, linear.args)):
+                or not value.is_floating_point() or (upcast is None and value.dtype != torch.float32)):
+            continue
+        dtypes = {v.dtype for v in _tensor_args(linear)}
+        if not all(d.is_floating_point for d in dtypes):
             continue
         chunks = _chunks(tokens, vocab, hidden_shape[-1])
         if chunks < 2:
             continue
         heads.append(LossHead(linear.name, target.name, view.name, upcast.name if upcast is not None else "", node.name,
                               tokens, vocab, hidden_shape[-1], arguments["ignore_index"], arguments["reduction"],
-                              chunks))
+                              chunks, cast_to=value.dtype if dtypes != {value.dtype} else None))
     return tuple(heads)
 
 
@@ -178,6 +181,9 @@ def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> No
         return node
 
     with graph.inserting_before(ce):
+        if head.cast_to is not None:
+            hidden, weight = (add("call_method", "to", (x, head.cast_to)) for x in (hidden, weight))
+            bias = add("call_method", "to", (bias, head.cast_to)) if isinstance(bias, fx.Node) else bias
         flat = add("call_method", "reshape", (hidden, -1, head.hidden))
         out = add("call_function", loss_ops.FORWARD, (flat, weight, bias, target, head.ignore_index, rows))
         loss = add("call_function", operator.getitem, (out, 0))

@@ -137,11 +137,7 @@ def test_heads_the_rewrite_must_not_touch_are_left_alone() -> None:
     def not_a_linear(x):
         return F.cross_entropy(torch.tanh(head(embed(x))).view(-1, 300), targets)
 
-    def under_autocast(x):  # float32 weights, bf16 matmul: the op would get mixed dtypes
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return F.cross_entropy(head(embed(x)).float().view(-1, 300), targets)
-
-    for fn in (smoothed, weighted, logits_also_returned, per_token, not_a_linear, under_autocast):
+    for fn in (smoothed, weighted, logits_also_returned, per_token, not_a_linear):
         torch._dynamo.reset()
         gm = _captured_graph(fn, ids)
         assert find_loss_heads(gm.graph) == (), fn.__name__
@@ -227,7 +223,8 @@ def test_inductor_meets_a_budget_only_the_chunked_head_fits() -> None:
        seed=st.integers(0, 2**16))
 def test_op_scratch_is_what_the_allocator_sees(tokens, hidden, vocab, rows, bias, dtype, seed) -> None:
     # What the check charges while the ops run (loss_ops.workspace_bytes), against the allocator's
-    # events: never less; exact up to a few hundred bytes in float32, an over-count in bf16.
+    # events: never less; in float32 at most 8 KiB more (small index and mask tensors that do not
+    # all coexist), in bf16 an over-count.
     torch.manual_seed(seed)
     h, weight = torch.randn(tokens, hidden, dtype=dtype), torch.randn(vocab, hidden, dtype=dtype)
     b = torch.randn(vocab, dtype=dtype) if bias else None
@@ -248,4 +245,27 @@ def test_op_scratch_is_what_the_allocator_sees(tokens, hidden, vocab, rows, bias
         charged, scratch = loss_ops.workspace_bytes(op, args), measured.rise_bytes - out
         assert charged >= scratch
         if dtype == torch.float32:
-            assert charged - scratch <= 4096
+            assert charged - scratch <= 8192
+
+
+def test_a_head_under_autocast_computes_as_autocast_does() -> None:
+    # float32 weights, bf16 matmul: the rewrite casts the op's inputs as autocast casts F.linear's
+    torch.manual_seed(0)
+    model = TinyLM(vocab=512, hidden=16, depth=1, bias=True, upcast=True, reduction="mean", ignore_index=-100)
+    ids = torch.randint(0, 512, (2, 64))
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    (head,) = find_loss_heads(_captured_graph(step, ids).graph)
+    assert head.cast_to == torch.bfloat16
+    params = list(model.parameters())
+    eager = grads(params, lambda: step(ids))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=lambda g, ex: chunk_loss_heads(g)[0].forward)
+    chunked = grads(params, lambda: compiled(ids))
+    assert all(g.dtype == torch.float32 for g in chunked)
+    torch.testing.assert_close(compiled(ids), step(ids), rtol=1e-2, atol=1e-2)
+    for got, want in zip(chunked, eager):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
