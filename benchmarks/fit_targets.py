@@ -28,6 +28,26 @@ from memcompile.solver.activations import close_decisions, evaluate, solve_min_p
 MIB = 2**20
 
 
+def replanner_of(bench, backend) -> planner.Replanner:
+    """The planner's Replanner for one step of `bench` compiled under `backend` (the budget must
+    be below keep-all's peak, so that the planner builds one); the step may be infeasible."""
+    seen: list[planner.Replanner] = []
+    original_fit = planner.Replanner.fit
+
+    def spy(self, budget, time_limit_s):
+        seen.append(self)
+        return original_fit(self, budget, time_limit_s)
+
+    planner.Replanner.fit = spy
+    try:
+        torch.compile(bench.module, backend=backend)(*bench.inputs).backward()
+    except memcompile.InfeasibleBudgetError:
+        pass
+    finally:
+        planner.Replanner.fit = original_fit
+    return seen[-1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bert", choices=hf_models.MODELS)
@@ -37,14 +57,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    seen: list[planner.Replanner] = []
-    original_fit = planner.Replanner.fit
-
-    def spy(self, budget, time_limit_s):
-        seen.append(self)
-        return original_fit(self, budget, time_limit_s)
-
-    planner.Replanner.fit = spy
     bench = hf_models.build(args.model, "small")
     backend = memcompile.budget(1 << 60, time_limit_s=args.time_limit)
     # A budget below keep-all's peak makes the planner build its Replanner; any plan will do here.
@@ -54,10 +66,7 @@ def main() -> None:
         keep_all_peak = backend.plans[0].predicted_peak_bytes
     finally:
         torch.compiler.reset()
-    backend = memcompile.budget(int(keep_all_peak * 0.9), time_limit_s=args.time_limit)
-    torch.compile(bench.module, backend=backend)(*bench.inputs).backward()
-    planner.Replanner.fit = original_fit
-    replanner = seen[-1]
+    replanner = replanner_of(bench, memcompile.budget(int(keep_all_peak * 0.9), time_limit_s=args.time_limit))
     problem = replanner.uncalibrated if args.uncalibrated else replanner.analysis.problem
     fuse = planner._runs_under_inductor(replanner.options)
 

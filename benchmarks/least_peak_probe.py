@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hf_models  # noqa: E402
+from fit_targets import replanner_of  # noqa: E402
 
 import memcompile  # noqa: E402
 from memcompile import planner  # noqa: E402
@@ -39,22 +40,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    seen: list[planner.Replanner] = []
-    original_fit = planner.Replanner.fit
-
-    def spy(self, budget, time_limit_s):
-        seen.append(self)
-        return original_fit(self, budget, time_limit_s)
-
-    planner.Replanner.fit = spy
     bench = hf_models.build(args.model, "small", batch=args.batch)
     backend = memcompile.budget(int(args.budget_mib * MIB), time_limit_s=args.time_limit, chunk_loss=True)
-    try:
-        torch.compile(bench.module, backend=backend)(*bench.inputs).backward()
-    except memcompile.InfeasibleBudgetError:
-        pass  # the planner's Replanner is all this needs
-    planner.Replanner.fit = original_fit
-    replanner = seen[-1]
+    replanner = replanner_of(bench, backend)
     problem = replanner.analysis.problem
     fuse = planner._runs_under_inductor(replanner.options)
 
