@@ -60,6 +60,14 @@ def main() -> None:
     other = dataclasses.replace(least, keep=keep, recompute=recompute, stored=stored, model_peak_bytes=peak,
                                 added_time_s=added)
     print(f"+ recompute {args.recompute}: model {peak / MIB:.2f} MiB, checked {check(other)}")
+    # What the planner itself reports as the smallest budget (its least-peak path, with the
+    # descent on the check in memcompile/planner.py).
+    torch.compiler.reset()
+    try:
+        torch.compile(bench.module, backend=memcompile.budget(1, time_limit_s=args.time_limit,
+                                                             chunk_loss=True))(*bench.inputs).backward()
+    except memcompile.InfeasibleBudgetError as error:
+        print(f"planner's smallest budget: {error.min_feasible_bytes / MIB:.2f} MiB ({error.min_feasible_bytes} B)")
 
 
 if __name__ == "__main__":
