@@ -9,7 +9,7 @@ above plans it rated worse. The keep-all plan is checked anyway: its per-step di
 part of the model's error that no decision changes, and is moved into the fixed bytes.
 
 What stays approximate: steps the check names differently (nodes fused into a kernel named after
-another node) take the larger of the neighbouring matched steps' checked bytes, and errors that
+another node) take the larger of the neighbouring matched steps' differences, and errors that
 depend on the decisions (a recomputed tensor Inductor inlines) are left to the check and the
 planner's tightening loop.
 """
@@ -47,16 +47,21 @@ def step_corrections(
 
     `step_keys`: (phase, node name) of each model step; `model_loads`: the model's bytes at each
     step for the plan that was checked; `checked_steps`: (phase, node name, live bytes) of the
-    check's timeline. A step the check does not name takes the larger of its phase's nearest
-    named steps before and after it; a phase the check names nowhere is left uncorrected."""
+    check's timeline. A step the check does not name (a view, a node fused into a kernel named
+    after another) takes the larger difference of its phase's nearest named steps before and
+    after it: the differences, not the checked bytes, since those include tensors the model
+    frees in between as the plan decides (GPT-2's saved GELU values, read by the kernel just
+    before a view: taking that kernel's 21.6 MiB put 10 MiB of them into the view's fixed
+    bytes, under every plan). A phase the check names nowhere is left uncorrected."""
     if len(step_keys) != len(model_loads):
         raise ValueError(f"{len(step_keys)} step keys for {len(model_loads)} modelled loads")
     checked: dict[tuple[str, str], int] = {}
     for phase, node, live in checked_steps:
         key = (phase, node)
         checked[key] = max(checked.get(key, 0), live)
-    known: list[int | None] = [checked.get(key) for key in step_keys]
-    # The nearest named value before and after each step within its phase: one pass each way.
+    known: list[int | None] = [None if checked.get(key) is None else checked[key] - load
+                               for key, load in zip(step_keys, model_loads)]
+    # The nearest named difference before and after each step within its phase: one pass each way.
     before: list[int | None] = []
     last: dict[str, int | None] = {}
     for (phase, _), value in zip(step_keys, known):
@@ -73,7 +78,7 @@ def step_corrections(
     filled = [value if value is not None else
               max((v for v in (b, a) if v is not None), default=None)
               for value, b, a in zip(known, before, after)]
-    delta = tuple(0 if c is None else c - m for c, m in zip(filled, model_loads))
+    delta = tuple(0 if d is None else d for d in filled)
     return StepCorrection(delta_bytes=delta, matched_steps=sum(v is not None for v in known))
 
 

@@ -61,6 +61,17 @@ def test_unnamed_steps_take_the_larger_neighbour_within_their_phase():
     assert correction.largest_overcount == 20 and correction.largest_undercount == 30
 
 
+def test_unnamed_steps_take_their_neighbours_difference_not_their_bytes():
+    """A view after a kernel that read saved values the model frees at that kernel: the kernel's
+    checked bytes include them, the view's model bytes do not. Taking the kernel's bytes would
+    fix those values into the view's step under every plan (GPT-2: 10 MiB at `view_52`)."""
+    keys = [("backward", "kernel"), ("backward", "view"), ("backward", "next")]
+    model = [2100, 1100, 1200]  # the kernel holds 1000 B of saved values the view no longer does
+    checked = [("backward", "kernel", 2130), ("backward", "next", 1350)]
+    correction = step_corrections(keys, model, checked)
+    assert correction.delta_bytes == (30, 150, 150)  # the view: 1100 + 150, not 2130
+
+
 def test_a_phase_the_check_never_names_is_left_alone():
     keys = [("forward", "a"), ("backward", "b")]
     correction = step_corrections(keys, [50, 60], [("backward", "b", 40)])
