@@ -29,6 +29,7 @@ from memcompile.passes.calibration import calibrated, step_corrections
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness, analyze_scheduled_liveness
 from memcompile.passes.partition import apply_plan
+from memcompile.passes.recompute_fusion import with_fused_recomputations
 from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Decision, Plan, format_bytes
 from memcompile.plan_cache import solve_cached
@@ -85,6 +86,10 @@ def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = 
 # analyze_scheduled_liveness). MEMCOMPILE_FUSION_CHECK=0 turns it off: every FX node's result then
 # counts as a buffer, in graph order (above every peak we measured, by up to 1.45x).
 FUSION_CHECK = os.environ.get("MEMCOMPILE_FUSION_CHECK", "1") != "0"
+# The solver's model counts a recomputed value Inductor inlines into its readers as no buffer
+# (passes/recompute_fusion.py); MEMCOMPILE_RECOMPUTE_FUSION=0 counts every recomputed value as
+# one (the behaviour before; for comparisons).
+RECOMPUTE_FUSION = os.environ.get("MEMCOMPILE_RECOMPUTE_FUSION", "1") != "0"
 
 
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
@@ -179,6 +184,8 @@ def _plan_joint_graph(
     store = _store_options(options, device)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
                                    fuse=_runs_under_inductor(options) and FUSION_CHECK)
+    if _runs_under_inductor(options) and FUSION_CHECK and RECOMPUTE_FUSION:
+        analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
     problem = analysis.problem
     budget = options.step_budget_bytes
 

@@ -26,6 +26,7 @@ def problems(draw, max_candidates=6):
     bw_steps = draw(st.integers(1, 8))
     steps = fw_steps + bw_steps
     reads, nbytes, first, last, keep_from, recompute_from, can_keep, can_recompute, costs, view_of = ([] for _ in range(10))
+    forward_from = []
     for i in range(n):
         reads.append(tuple(sorted(draw(st.sets(st.integers(0, i - 1), max_size=2))) if i else ()))
         nbytes.append(draw(st.integers(0, 1000)))
@@ -40,6 +41,8 @@ def problems(draw, max_candidates=6):
         fw_end = draw(st.integers(i, fw_steps - 1))
         keep_from.append(fw_end + 1)
         recompute_from.append(max(fw_steps, fw_end + 1))
+        # Some forward values are buffers only when saved (Inductor inlines them otherwise).
+        forward_from.append(draw(st.integers(min(i, fw_end), fw_end)) if draw(st.booleans()) else -1)
         keepable = draw(st.booleans())
         can_keep.append(keepable)
         can_recompute.append(draw(st.booleans()) or not keepable)  # at least one way to have it
@@ -53,6 +56,9 @@ def problems(draw, max_candidates=6):
         can_keep=tuple(can_keep), can_recompute=tuple(can_recompute), first_read=tuple(first),
         last_read=tuple(last), keep_from=tuple(keep_from), recompute_from=tuple(recompute_from),
         recompute_reads=tuple(reads), view_of=tuple(view_of), fixed_bytes=fixed, fixed_before_node_bytes=before,
+        # Some recomputed copies are inlined into their readers (no buffer; inputs live longer).
+        fused_when_recomputed=tuple(draw(st.booleans()) for _ in range(n)) if draw(st.booleans()) else (),
+        saved_only_forward_from=tuple(forward_from) if draw(st.booleans()) else (),
     )
 
 

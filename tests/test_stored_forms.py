@@ -86,7 +86,7 @@ def problems_with_choices(draw):
     bw_steps = draw(st.integers(1, 6))
     steps = fw_steps + bw_steps
     cols = {k: [] for k in ("reads", "nbytes", "first", "last", "keep_from", "recompute_from", "can_keep",
-                            "can_recompute", "costs", "choices", "created")}
+                            "can_recompute", "costs", "choices", "created", "forward_from")}
     for i in range(n):
         cols["reads"].append(tuple(sorted(draw(st.sets(st.integers(0, i - 1), max_size=2))) if i else ()))
         size = draw(st.integers(1, 1000))
@@ -101,6 +101,7 @@ def problems_with_choices(draw):
         created = draw(st.integers(0, min(i, fw_steps - 1)))
         fw_end = draw(st.integers(created, fw_steps - 1))
         cols["created"].append(created)
+        cols["forward_from"].append(created if draw(st.booleans()) else -1)
         cols["keep_from"].append(fw_end + 1)
         cols["recompute_from"].append(max(fw_steps, fw_end + 1))
         keepable = draw(st.booleans())
@@ -123,6 +124,9 @@ def problems_with_choices(draw):
         store_choices=tuple(cols["choices"]), created_at=tuple(cols["created"]),
         # Some values may not derive from an int8 copy (tanh/sigmoid/softmax outputs).
         must_be_exact=tuple(draw(st.booleans()) for _ in range(n)) if draw(st.booleans()) else (),
+        # Inductor's fates of values not saved (passes/recompute_fusion.py).
+        fused_when_recomputed=tuple(draw(st.booleans()) for _ in range(n)) if draw(st.booleans()) else (),
+        saved_only_forward_from=tuple(cols["forward_from"]) if draw(st.booleans()) else (),
     )
 
 

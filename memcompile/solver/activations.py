@@ -8,9 +8,11 @@ steps are the forward-then-backward execution order. The CP-SAT model (docs/desi
     k_i + r_i + sum_k q_ik = 1           if backward reads i directly; <= 1 otherwise
     k_i + r_i + sum_k q_ik >= r_c        for every c whose recomputation reads i
     s_i = placement: just before i's first reader (direct, or a recomputed reader c)
-    e_i >= last read of i (direct, or by a recomputed reader c)
+    e_i >= last read of i (direct, or by a recomputed reader c; e_c if c is a view of i or
+           fused: inlined into its readers, which read i in its place)
     kept i:        interval [keep_from_i, e_i]             presence k_i, demand bytes_i
-    recomputed i:  interval [s_i, e_i]                     presence r_i, demand bytes_i
+                   (from created_i where i is a forward buffer only when saved)
+    recomputed i:  interval [s_i, e_i]                     presence r_i and not fused_i, demand bytes_i
     quantized i:   interval [created_i, s_i]               presence q_ik, demand stored_bytes_ik
                    (+ one slot of conversion scratch at created_i and at s_i)
                    interval [s_i, e_i] (dequantized)       presence q_ik, demand bytes_i
@@ -78,6 +80,16 @@ class ActivationProblem:
     # Candidates whose value must not derive from a lossy stored form (stored lossy itself, or
     # recomputed from such a value): their backward amplifies rounding (tanh, sigmoid, softmax).
     must_be_exact: tuple[bool, ...] = ()
+    # Candidates whose recomputed copy Inductor inlines into its readers (a pointwise body): it
+    # holds no buffer, and its readers read what it reads, so those stay live until they run.
+    # Empty: every recomputed copy is a buffer.
+    fused_when_recomputed: tuple[bool, ...] = ()
+    # Per candidate: -1 when its forward lifetime is a buffer whatever the plan (in fixed_bytes);
+    # else the forward step creating it, where it is a buffer in the forward only when saved
+    # (kept or stored): not saved, Inductor inlines it into its forward readers. Its forward
+    # lifetime [that step, keep_from) is then not in fixed_bytes but held with the decision.
+    # Empty: -1 for all.
+    saved_only_forward_from: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -89,6 +101,14 @@ class ActivationProblem:
             raise ValueError("ActivationProblem.store_choices and created_at need one entry per candidate")
         if self.must_be_exact and len(self.must_be_exact) != n:
             raise ValueError(f"ActivationProblem.must_be_exact has {len(self.must_be_exact)} entries, expected {n}")
+        if self.saved_only_forward_from and (
+                len(self.saved_only_forward_from) != n
+                or any(f >= k for f, k in zip(self.saved_only_forward_from, self.keep_from))):
+            raise ValueError("ActivationProblem.saved_only_forward_from needs one entry per candidate, "
+                             "each before its keep_from")
+        if self.fused_when_recomputed and len(self.fused_when_recomputed) != n:
+            raise ValueError(f"ActivationProblem.fused_when_recomputed has {len(self.fused_when_recomputed)} "
+                             f"entries, expected {n}")
         if self.fixed_before_node_bytes and (
                 len(self.fixed_before_node_bytes) != len(self.fixed_bytes)
                 or any(b > f for b, f in zip(self.fixed_before_node_bytes, self.fixed_bytes))):
@@ -111,6 +131,22 @@ class ActivationProblem:
 
     def exact_required(self, i: int) -> bool:
         return bool(self.must_be_exact) and self.must_be_exact[i]
+
+    def fused(self, i: int) -> bool:
+        """A recomputed i is no buffer of its own: its readers compute it from its inputs."""
+        return bool(self.fused_when_recomputed) and self.fused_when_recomputed[i]
+
+    def forward_from(self, i: int) -> int:
+        """First step a saved i holds bytes beyond fixed_bytes: its creation where its forward
+        buffer depends on being saved, else keep_from."""
+        if self.saved_only_forward_from and self.saved_only_forward_from[i] >= 0:
+            return self.saved_only_forward_from[i]
+        return self.keep_from[i]
+
+    def reads_until_reader_ends(self, c: int, i: int) -> bool:
+        """Whether recomputing c keeps i (which c reads) live until c's own last reader: c is a
+        view of i, or c is fused into its readers (they read i in its place)."""
+        return self.view_of[c] == i or self.fused(c)
 
     def readers(self) -> list[list[int]]:
         """For each candidate, the candidates whose recomputation reads it."""
@@ -176,7 +212,7 @@ def placement(problem: ActivationProblem, recompute: frozenset[int]) -> tuple[li
         for c in readers[i]:
             if c in recompute:
                 s = min(s, start[c])
-                e = max(e, end[c] if problem.view_of[c] == i else start[c])
+                e = max(e, end[c] if problem.reads_until_reader_ends(c, i) else start[c])
         start[i] = min(max(s, problem.recompute_from[i]), last)
         end[i] = min(e, last)
     return start, end
@@ -212,12 +248,15 @@ def step_loads(
 
     for i in keep:
         if problem.keep_from[i] < horizon:
-            add(problem.nbytes[i], problem.keep_from[i] * scale, ends[i])
+            add(problem.nbytes[i], _hold_slot(problem, i, scale), ends[i])
     for i in recompute:
-        if problem.recompute_from[i] < horizon:  # else its forward lifetime covers the whole step
+        # (A fused copy holds no buffer; a recompute_from past the horizon means its forward
+        # lifetime covers the whole step.)
+        if problem.recompute_from[i] < horizon and not problem.fused(i):
             add(problem.nbytes[i], start[i] * scale + i, ends[i])
     for i, k in stored:
         choice = problem.choices_of(i)[k]
+        add(problem.nbytes[i], _hold_slot(problem, i, scale), problem.keep_from[i] * scale - 1)  # forward buffer
         materialised = start[i] * scale + i
         if choice.kind == "quantize":
             created = problem.created_at[i] * scale + scale - 1
@@ -248,6 +287,13 @@ def step_loads(
         at_node = problem.fixed_bytes[t] + running
         loads.append(at_node if most_before is None else max(at_node, before_node[t] + most_before))
     return loads
+
+
+def _hold_slot(problem: ActivationProblem, i: int, scale: int) -> int:
+    """Fine slot from which a saved i holds bytes the fixed bytes do not count: its creation's
+    node slot where its forward buffer depends on being saved, else the start of keep_from."""
+    f = problem.forward_from(i)
+    return f * scale + scale - 1 if f < problem.keep_from[i] else problem.keep_from[i] * scale
 
 
 def added_time_s(problem: ActivationProblem, recompute: frozenset[int], stored: Stored = NOTHING_STORED) -> float:
@@ -326,11 +372,13 @@ def exact_needed(problem: ActivationProblem, recompute: set[int] | frozenset[int
 
 def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[int], end: list[int]) -> int:
     """Bytes that changing kept candidate i to `move` frees at step t (0 if it frees none there)."""
+    kind, k = move
+    if kind == "recompute" and problem.forward_from(i) <= t < problem.keep_from[i]:
+        return problem.nbytes[i]  # its forward buffer, which only saving it makes
     if not problem.keep_from[i] <= t <= end[i]:
         return 0
-    kind, k = move
     if kind == "recompute":
-        return problem.nbytes[i] if t < start[i] else 0
+        return problem.nbytes[i] if t < start[i] or problem.fused(i) else 0
     choice = problem.choices_of(i)[k]
     if choice.kind == "quantize":
         return problem.nbytes[i] - choice.stored_bytes if t < start[i] else 0
@@ -415,7 +463,7 @@ def fine_ends(problem: ActivationProblem, recompute: frozenset[int], start: list
         e = problem.last_read[i] * scale + scale - 1 if problem.last_read[i] >= 0 else -1
         for c in readers[i]:
             if c in recompute:
-                e = max(e, ends[c] if problem.view_of[c] == i else start[c] * scale + c)
+                e = max(e, ends[c] if problem.reads_until_reader_ends(c, i) else start[c] * scale + c)
         ends[i] = e
     return ends
 
@@ -477,30 +525,37 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
         if problem.last_read[i] >= 0:
             model.Add(end[i] >= problem.last_read[i] * scale + scale - 1)
         for c in readers[i]:
-            reach = end[c] if problem.view_of[c] == i else start[c] * scale + c
+            reach = end[c] if problem.reads_until_reader_ends(c, i) else start[c] * scale + c
             model.Add(end[i] >= reach).OnlyEnforceIf(recompute[c])
         if problem.nbytes[i] == 0:
             continue
         size_cap = horizon * scale
         if problem.keep_from[i] <= last:
-            first_slot = problem.keep_from[i] * scale
+            first_slot = _hold_slot(problem, i, scale)
             model.Add(end[i] >= first_slot - 1).OnlyEnforceIf(keep[i])
             size = model.NewIntVar(0, size_cap, f"keep_size_{i}")
             intervals.append(model.NewOptionalIntervalVar(first_slot, size, end[i] + 1, keep[i], f"keep_iv_{i}"))
             demands.append(problem.nbytes[i])
         if problem.recompute_from[i] <= last:
             # Recomputed or dequantized: the full tensor from its materialisation slot on.
-            materialised = [recompute[i]] + [store[i][k] for k, ch in enumerate(problem.choices_of(i))
-                                             if ch.kind == "quantize"]
-            present = recompute[i]
+            # (A fused recomputation is no buffer: only a dequantized copy is.)
+            materialised = ([] if problem.fused(i) else [recompute[i]]) + [
+                store[i][k] for k, ch in enumerate(problem.choices_of(i)) if ch.kind == "quantize"]
+            present = materialised[0] if materialised else None
             if len(materialised) > 1:
                 present = model.NewBoolVar(f"materialised_{i}")
                 model.Add(present == sum(materialised))
-            size = model.NewIntVar(0, size_cap, f"recompute_size_{i}")
-            intervals.append(model.NewOptionalIntervalVar(start[i] * scale + i, size, end[i] + 1, present,
-                                                          f"recompute_iv_{i}"))
-            demands.append(problem.nbytes[i])
+            if present is not None:
+                size = model.NewIntVar(0, size_cap, f"recompute_size_{i}")
+                intervals.append(model.NewOptionalIntervalVar(start[i] * scale + i, size, end[i] + 1, present,
+                                                              f"recompute_iv_{i}"))
+                demands.append(problem.nbytes[i])
+        forward_slot = _hold_slot(problem, i, scale)
         for k, choice in enumerate(problem.choices_of(i)):
+            if forward_slot < problem.keep_from[i] * scale:  # its forward buffer, made by saving it
+                intervals.append(model.NewOptionalFixedSizeIntervalVar(
+                    forward_slot, problem.keep_from[i] * scale - forward_slot, store[i][k], f"forward_iv_{i}_{k}"))
+                demands.append(problem.nbytes[i])
             if choice.kind == "quantize":
                 first_slot = problem.created_at[i] * scale + scale - 1
                 size = model.NewIntVar(0, size_cap, f"held_size_{i}_{k}")
