@@ -215,7 +215,7 @@ def _plan_joint_graph(
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
-        chosen, min_peak_s = _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline, uncalibrated)
+        chosen, min_peak_s = replanner.least_peak_and_solve_s()
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
@@ -292,6 +292,7 @@ class Replanner:
     options: Options
     keep_all: _Attempt
     uncalibrated: ActivationProblem | None = None  # the model before calibration (for least_peak)
+    _least_peak: tuple[_Attempt, float] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> tuple:
@@ -348,8 +349,15 @@ class Replanner:
         return best, solve_s
 
     def least_peak(self) -> _Attempt:
-        return _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs, self.options,
-                                   self.keep_all, self.uncalibrated)[0]
+        return self.least_peak_and_solve_s()[0]
+
+    def least_peak_and_solve_s(self) -> tuple[_Attempt, float]:
+        """The least-peak plan (deterministic, so made once: an infeasible first compile and the
+        options offered to a step plan both ask for it), and the solve time it took."""
+        if self._least_peak is None:
+            self._least_peak = _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs, self.options,
+                                                   self.keep_all, self.uncalibrated)
+        return self._least_peak
 
     def options_between(self, count: int, time_limit_s: float) -> list[tuple[int, int, float, ActivationSolution]]:
         """(own peak, held bytes, added time, decisions) of the keep-all plan, the least-peak plan
