@@ -107,3 +107,31 @@ def test_the_smallest_budget_is_never_above_the_keep_all_check(monkeypatch):
     backend = memcompile.budget(keep_all, codegen="aot_eager", time_limit_s=5)
     torch.compile(model, backend=backend)(x).sum().backward()
     assert backend.plans[0].predicted_peak_bytes == keep_all
+
+
+def test_the_least_peak_search_runs_once_per_graph(monkeypatch):
+    """An infeasible compile makes the least-peak plan; the options a step plan later asks the
+    same graph for reuse it (it is deterministic) instead of searching again."""
+    calls, replanners = [], []
+    original_search, original_fit = planner._least_peak_attempt, planner.Replanner.fit
+
+    def search(*args, **kwargs):
+        calls.append(1)
+        return original_search(*args, **kwargs)
+
+    def fit(self, *args, **kwargs):
+        replanners.append(self)
+        return original_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_least_peak_attempt", search)
+    monkeypatch.setattr(planner.Replanner, "fit", fit)
+    torch.compiler.reset()
+    model, x = MLP(32, 3), torch.randn(16, 32)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as error:
+        torch.compile(model, backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5))(x).sum().backward()
+    assert len(calls) == 1 and replanners
+    least = replanners[-1].least_peak()
+    assert len(calls) == 1
+    assert least.timeline.peak_bytes == error.value.min_feasible_bytes
+    options = replanners[-1].options_between(2, 5.0)
+    assert len(calls) == 1 and options[-1][0] == least.timeline.peak_bytes
