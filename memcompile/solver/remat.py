@@ -1262,12 +1262,29 @@ def _search(
     if large and greedy is None:
         # The stage grid found nothing and CP-SAT would not finish building: schedule by events.
         return _event_level_fallback(problem, budget, proven, peak_lb, "no_schedule", deadline, seed, started)
+    events_first: RematResult | None = None
+    if greedy is None:
+        # No grid plan (tight budget): CP-SAT may find none either (random_layered_n250 at 0.7),
+        # so first look for an event-level schedule (up to a share of the time, stopping at the
+        # first one found); CP-SAT gets the rest and the cheaper schedule wins.
+        now = time.monotonic()
+        share = now + _EVENTS_SHARE * (deadline - now)
+        events_first = _event_level_fallback(
+            problem, budget, proven, peak_lb, "no_schedule", share, seed, started, stop_at_first=True
+        )
+        if not events_first.has_schedule:
+            events_first = None
     scale = _cost_scale(problem.cost)
     rm = _build_model(problem, grid, capacity, scale)
     if greedy is not None:
         _add_hint(problem, rm, grid, greedy)
     fallback = _checked(problem, budget, _intervals_from_computes(problem, greedy)) if greedy else None
     outcome = _two_phase_solve(rm.model, deadline, time_limit_s, workers, seed, relative_gap)
+    if events_first is not None:
+        # The cheaper of the event-level schedule and CP-SAT's (checked as below).
+        schedule = _checked(problem, budget, _computes_from_solution(rm, outcome.solver)) if outcome.has_solution else None
+        if schedule is None or _cost(problem, schedule) > events_first.cost:
+            return events_first
 
     base_cost = sum(problem.cost)
     # The proven bound holds for every schedule, so also within the formulation.
@@ -1384,14 +1401,16 @@ def _event_level_fallback(
     deadline: float,
     seed: int,
     started: float,
+    stop_at_first: bool = False,
 ) -> RematResult:
     """Schedules the stage grid cannot express (recomputation chains inside a stage), by eviction.
 
-    Runs until `deadline` (at least one attempt); its schedules are replayed and fit the budget.
+    Runs until `deadline` (at least one attempt) or, with `stop_at_first`, the first schedule;
+    its schedules are replayed and fit the budget.
     """
     from .remat_events import best_eviction_schedule  # imports this module
 
-    schedule = best_eviction_schedule(problem, budget, deadline, seed)
+    schedule = best_eviction_schedule(problem, budget, deadline, seed, stop_at_first=stop_at_first)
     if schedule is None:
         return _no_schedule(status_if_none, peak_lb, started)
     return _with_schedule(problem, schedule, proven, proven, "heuristic_events", started)
@@ -1408,6 +1427,9 @@ _BOUND_SHARE = 0.05
 # Share for the greedy variants and their repair search (`_improve_by_repair`): on the largest
 # graphs CP-SAT rarely improves on them in time.
 _GREEDY_SHARE = 0.5
+# Most of the time left after the greedy that the event-level search may take, before CP-SAT,
+# to find a first schedule when the grid greedy found no plan.
+_EVENTS_SHARE = 0.5
 _LNS_PATIENCE = 40
 # Above this many input-cover literals CP-SAT spends ~15 s building and presolving the model
 # (random_layered_n1000: 23k) and found no better plan than the greedy's within 30 s on 2 cores;

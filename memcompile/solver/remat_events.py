@@ -44,20 +44,44 @@ class EvictionWeights:
     size_power: float = 1.0
     noise: float = 0.0
     recency_power: float = 0.0  # divide by (computations since last use + 1) ** power: least recently used first
+    input_order: str = "memory"  # missing inputs: "memory" (largest working set first) or "cost" (costliest first)
+    protect_stage: bool = False  # evict what the current stage still reads only when nothing else fits
+
+    def __post_init__(self) -> None:
+        if self.input_order not in ("memory", "cost"):
+            raise ValueError(f"input_order must be 'memory' or 'cost', got {self.input_order!r}")
 
 
 # Least-recently-used first among equally scored victims stops much of the thrashing in deep
 # recomputation chains (random_layered_n500 at 0.7: 344% overhead instead of 917-1193%), but
-# costs more elsewhere (n1000 at 0.7: 23% instead of 19%): it runs first, and the best run wins.
+# costs more elsewhere (n1000 at 0.7: 23% instead of 19%). Making the input with the largest
+# working set resident first ("memory" order) is what finds any schedule for random_layered_n250
+# at 0.7 (every "cost"-order variant gets stuck at its 44-input node) and gives n500 at 0.7 142%
+# instead of 337%; n1000 at 0.7 is about even (19% vs 18%). No variant dominates: each runs once
+# (tight budgets first), then jittered restarts, and the cheapest schedule wins.
 _VARIANTS = (
-    EvictionWeights(2.0, 2.0, recency_power=1.0),
+    EvictionWeights(2.0, 2.0, recency_power=1.0, protect_stage=True),
     EvictionWeights(2.0, 2.0),
-    EvictionWeights(1.0, 1.0),
-    EvictionWeights(2.0, 1.0, recency_power=0.5),
-    EvictionWeights(2.0, 1.0),
+    EvictionWeights(2.0, 2.0, recency_power=1.0, input_order="cost"),
+    EvictionWeights(2.0, 1.0, recency_power=0.5, input_order="cost"),
     EvictionWeights(1.0, 2.0),
+    EvictionWeights(2.0, 2.0, input_order="cost"),
+    EvictionWeights(1.0, 1.0, input_order="cost"),
+    EvictionWeights(2.0, 1.0),
 )
 _ANCESTRY_DEPTH = 4  # levels of missing ancestors charged to a victim's recompute cost
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A plan to follow: per node, the stage ranges [start, end] it is resident over (node t's
+    first computation is stage t), e.g. a stage-grid plan for a looser budget."""
+
+    intervals: tuple[tuple[tuple[int, int], ...], ...]
+
+    def holds(self, v: int, t: int) -> bool:
+        """Whether the plan keeps v resident from stage t into stage t + 1."""
+        return any(start <= t < end for start, end in self.intervals[v])
 
 
 class _Stuck(Exception):
@@ -69,7 +93,12 @@ class _OutOfTime(Exception):
 
 
 def eviction_schedule(
-    problem: RematProblem, budget: int, weights: EvictionWeights, deadline: float, seed: int = 0
+    problem: RematProblem,
+    budget: int,
+    weights: EvictionWeights,
+    deadline: float,
+    seed: int = 0,
+    guide: Guide | None = None,
 ) -> Schedule | None:
     """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget."""
     limit = sys.getrecursionlimit()
@@ -77,7 +106,7 @@ def eviction_schedule(
     # would cut chains on the 1000-node benchmark graphs.
     sys.setrecursionlimit(max(limit, 4 * problem.n + 1000))
     try:
-        events = _Evictor(problem, budget, weights, deadline, random.Random(seed)).run()
+        events = _Evictor(problem, budget, weights, deadline, random.Random(seed), guide).run()
         peak, _ = simulate(problem, events)
     except (_Stuck, _OutOfTime, RecursionError, InvalidSchedule):
         return None
@@ -86,9 +115,12 @@ def eviction_schedule(
     return events if peak <= budget else None
 
 
-def best_eviction_schedule(problem: RematProblem, budget: int, deadline: float, seed: int = 0) -> Schedule | None:
+def best_eviction_schedule(
+    problem: RematProblem, budget: int, deadline: float, seed: int = 0, stop_at_first: bool = False
+) -> Schedule | None:
     """Cheapest schedule over the weight variants, then jittered restarts, each polished by
-    `undo_evictions`, until `deadline` (at least one run, so tiny graphs always get a try)."""
+    `undo_evictions`, until `deadline` (at least one run, so tiny graphs always get a try) or,
+    with `stop_at_first`, the first schedule found."""
     rng = random.Random(seed)
     best: tuple[float, Schedule] | None = None
     failures = 0
@@ -102,7 +134,12 @@ def best_eviction_schedule(problem: RematProblem, budget: int, deadline: float, 
                 break  # nothing fits: jitter will not help either
             base = _VARIANTS[rng.randrange(len(_VARIANTS))]
             weights = dataclasses.replace(base, noise=rng.uniform(0.1, 1.0))
-        run_deadline = deadline if attempt else max(deadline, time.monotonic() + 1.0)
+        now = time.monotonic()
+        # One thrashing variant must not take all the time: each run gets at most half of it
+        # (a stuck run often thrashes for long before it gives up).
+        run_deadline = min(deadline, now + max(1.0, 0.5 * (deadline - now)))
+        if not attempt:
+            run_deadline = max(run_deadline, now + 1.0)
         schedule = eviction_schedule(problem, budget, weights, run_deadline, seed=seed + attempt)
         if schedule is None:
             failures += 1
@@ -111,6 +148,8 @@ def best_eviction_schedule(problem: RematProblem, budget: int, deadline: float, 
         cost = simulate(problem, schedule)[1]
         if best is None or cost < best[0]:
             best = (cost, schedule)
+        if stop_at_first:
+            break
     return None if best is None else best[1]
 
 
@@ -205,9 +244,16 @@ def _fits(problem: RematProblem, events: Schedule, budget: int) -> bool:
 
 class _Evictor:
     def __init__(
-        self, problem: RematProblem, budget: int, weights: EvictionWeights, deadline: float, rng: random.Random
+        self,
+        problem: RematProblem,
+        budget: int,
+        weights: EvictionWeights,
+        deadline: float,
+        rng: random.Random,
+        guide: Guide | None = None,
     ):
         self.p = problem
+        self.guide = guide
         self.budget = budget
         self.w = weights
         self.deadline = deadline
@@ -218,17 +264,24 @@ class _Evictor:
         self.memory = problem.static_bytes
         self.events: list[Event] = []
         self.frontier = 0  # the node whose first computation is under way
+        self.stage_needed: set[int] = set()  # read while computing the frontier (recomputations included)
         self.clock = 0  # computations so far
         self.last_used = [0] * problem.n  # clock when each tensor was last computed or read
 
     def run(self) -> Schedule:
         for t in range(self.p.n):
             self.frontier = t
+            self.stage_needed = self._stage_closure(t) if self.w.protect_stage else set()
             self._ensure(t)
             needs: dict[int, float] = {}
             for u in (t, *self.p.preds[t]):
                 if u in self.resident and not self.pins[u] and self._next_need(u, needs) == math.inf:
                     self._free(u)
+            if self.guide is not None:
+                # Follow the guide's frees: what it does not hold past stage t is recomputed on demand.
+                for u in sorted(self.resident):
+                    if not self.pins[u] and self.p.recomputable[u] and not self.guide.holds(u, t):
+                        self._free(u)
         return tuple(self.events)
 
     def _next_reader(self, v: int) -> float:
@@ -265,14 +318,15 @@ class _Evictor:
         if v < self.frontier and not self.p.recomputable[v]:
             raise _Stuck
         self.pins[v] += 1
-        costs: dict[int, float] = {}
-        # Missing inputs with the deepest recomputation first, while fewer inputs are pinned.
-        inputs = sorted(
-            self.p.preds[v], key=lambda u: (u in self.resident, -self._recompute_cost(u, costs, _ANCESTRY_DEPTH), u)
-        )
-        for u in inputs:
+        inputs = []
+        pending = list(self.p.preds[v])
+        while pending:
+            # Re-ordered after each input: recomputing one may have evicted another.
+            u = self._input_order(pending)[0]
+            pending.remove(u)
             self._ensure(u)
             self.pins[u] += 1
+            inputs.append(u)
         while self.memory + self.p.size[v] > self.budget:
             victim = self._pick_victim()
             if victim is None:
@@ -289,18 +343,70 @@ class _Evictor:
         for u in inputs:
             self.pins[u] -= 1
 
+    def _input_order(self, preds: list[int]) -> list[int]:
+        """Inputs in the order to make them resident: missing ones first, the one whose
+        recomputation needs the most memory beyond its own result first (Sethi-Ullman order: an
+        input made resident early stays pinned while the later ones are recomputed)."""
+        if self.w.input_order == "cost":
+            costs: dict[int, float] = {}
+            key = lambda u: (u in self.resident, -self._recompute_cost(u, costs, _ANCESTRY_DEPTH), u)  # noqa: E731
+            return sorted(preds, key=key)
+        working: dict[int, int] = {}
+        return sorted(
+            preds, key=lambda u: (u in self.resident, self.p.size[u] - self._working_set(u, working), u)
+        )
+
+    def _working_set(self, v: int, memo: dict[int, int]) -> int:
+        """Bytes beyond the resident tensors needed to make v resident (0 if it is): the peak of
+        recomputing its missing ancestors in Sethi-Ullman order, ignoring evictions."""
+        if v in self.resident:
+            return 0
+        if v not in memo:
+            memo[v] = self.p.size[v]  # guards the recursion; the DAG has no cycles
+            missing = [u for u in self.p.preds[v] if u not in self.resident]
+            needs = sorted(((self._working_set(u, memo), self.p.size[u]) for u in missing), key=lambda ws: ws[1] - ws[0])
+            peak, held = 0, 0
+            for need, size in needs:
+                peak = max(peak, held + need)
+                held += size
+            memo[v] = max(peak, held + self.p.size[v])
+        return memo[v]
+
     def _free(self, u: int) -> None:
         self.events.append(("free", u))
         self.resident.discard(u)
         self.memory -= self.p.size[u]
 
+    def _stage_closure(self, v: int) -> set[int]:
+        """Tensors the computation of v reads, directly or to recompute missing ancestors."""
+        needed: set[int] = set()
+        stack = [v]
+        while stack:
+            x = stack.pop()
+            for u in self.p.preds[x]:
+                if u not in needed:
+                    needed.add(u)
+                    if u not in self.resident:
+                        stack.append(u)
+        return needed
+
     def _pick_victim(self) -> int | None:
+        victim = self._pick_victim_among(spare_stage=self.w.protect_stage)
+        if victim is None and self.w.protect_stage:
+            victim = self._pick_victim_among(spare_stage=False)
+            if victim is not None:  # its recomputation in this stage needs its own inputs
+                self.stage_needed |= self._stage_closure(victim)
+        return victim
+
+    def _pick_victim_among(self, spare_stage: bool) -> int | None:
         needs: dict[int, float] = {}
         costs: dict[int, float] = {}
         best: tuple[float, int] | None = None
         for v in sorted(self.resident):
             if self.pins[v] or self.p.size[v] == 0:
                 continue
+            if spare_stage and v in self.stage_needed:
+                continue  # evicting it would mean recomputing it within this stage: thrashing
             need = self._next_need(v, needs)
             if need == math.inf:
                 return v  # nothing can read it again
