@@ -60,15 +60,16 @@ class EvictionWeights:
 # instead of 337%; n1000 at 0.7 is about even (19% vs 18%). No variant dominates: each runs once
 # (tight budgets first), then jittered restarts, and the cheapest schedule wins.
 _VARIANTS = (
-    EvictionWeights(2.0, 2.0, recency_power=1.0, protect_stage=True),
     EvictionWeights(2.0, 2.0),
     EvictionWeights(2.0, 2.0, recency_power=1.0, input_order="cost"),
     EvictionWeights(2.0, 1.0, recency_power=0.5, input_order="cost"),
+    EvictionWeights(2.0, 2.0, recency_power=1.0, protect_stage=True),
     EvictionWeights(1.0, 2.0),
     EvictionWeights(2.0, 2.0, input_order="cost"),
     EvictionWeights(1.0, 1.0, input_order="cost"),
     EvictionWeights(2.0, 1.0),
 )
+_RESTART_REACH = 40  # stages before a costly one that a suffix restart may start at
 _ANCESTRY_DEPTH = 4  # levels of missing ancestors charged to a victim's recompute cost
 
 
@@ -99,14 +100,20 @@ def eviction_schedule(
     deadline: float,
     seed: int = 0,
     guide: Guide | None = None,
+    prefix: Schedule = (),
 ) -> Schedule | None:
-    """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget."""
+    """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget.
+
+    `prefix`: a valid start of a schedule that ends just before a first computation; the run
+    continues from the state it leaves (the result starts with it).
+    """
     limit = sys.getrecursionlimit()
     # Recomputation chains recurse once per node (a few frames each); the default limit of 1000
     # would cut chains on the 1000-node benchmark graphs.
     sys.setrecursionlimit(max(limit, 4 * problem.n + 1000))
     try:
-        events = _Evictor(problem, budget, weights, deadline, random.Random(seed), guide).run()
+        evictor = _Evictor(problem, budget, weights, deadline, random.Random(seed), guide)
+        events = evictor.run(evictor.replay(prefix))
         peak, _ = simulate(problem, events)
     except (_Stuck, _OutOfTime, RecursionError, InvalidSchedule):
         return None
@@ -127,20 +134,26 @@ def best_eviction_schedule(
     for attempt in range(10_000):
         if attempt and time.monotonic() >= deadline:
             break
+        prefix: Schedule = ()
         if attempt < len(_VARIANTS):
-            weights = _VARIANTS[attempt]
+            # Looking for any schedule: the variant that finds one nearest the least peak first.
+            weights = _VARIANTS[(attempt + 3) % len(_VARIANTS) if stop_at_first and attempt < 4 else attempt]
         else:
             if best is None and failures >= 3 * len(_VARIANTS):
                 break  # nothing fits: jitter will not help either
             base = _VARIANTS[rng.randrange(len(_VARIANTS))]
             weights = dataclasses.replace(base, noise=rng.uniform(0.1, 1.0))
+            if best is not None and attempt % 2:
+                # Large-neighbourhood step: keep the best schedule up to a stage shortly before
+                # one where it recomputes a lot, and schedule the rest again.
+                prefix = _prefix_before(problem, best[1], _restart_stage(problem, best[1], rng))
         now = time.monotonic()
         # One thrashing variant must not take all the time: each run gets at most half of it
         # (a stuck run often thrashes for long before it gives up).
         run_deadline = min(deadline, now + max(1.0, 0.5 * (deadline - now)))
         if not attempt:
             run_deadline = max(run_deadline, now + 1.0)
-        schedule = eviction_schedule(problem, budget, weights, run_deadline, seed=seed + attempt)
+        schedule = eviction_schedule(problem, budget, weights, run_deadline, seed=seed + attempt, prefix=prefix)
         if schedule is None:
             failures += 1
             continue
@@ -151,6 +164,34 @@ def best_eviction_schedule(
         if stop_at_first:
             break
     return None if best is None else best[1]
+
+
+def _restart_stage(problem: RematProblem, schedule: Schedule, rng: random.Random) -> int:
+    """A stage up to `_RESTART_REACH` before one drawn by the cost of the recomputations that
+    precede its first computation."""
+    spent = [0.0] * problem.n
+    computed: set[int] = set()
+    pending = 0.0
+    for kind, v in schedule:
+        if kind != "compute":
+            continue
+        if v in computed:
+            pending += problem.cost[v]
+        else:
+            computed.add(v)
+            spent[v], pending = pending, 0.0
+    if not any(spent):
+        return rng.randrange(problem.n)
+    costly = rng.choices(range(problem.n), weights=spent)[0]
+    return rng.randint(max(0, costly - _RESTART_REACH), costly)
+
+
+def _prefix_before(problem: RematProblem, schedule: Schedule, stage: int) -> Schedule:
+    """The events before the first computation of node `stage`."""
+    for k, (kind, v) in enumerate(schedule):
+        if kind == "compute" and v == stage:
+            return schedule[:k]
+    return schedule
 
 
 def undo_evictions(problem: RematProblem, schedule: Schedule, budget: int, deadline: float) -> Schedule:
@@ -268,8 +309,25 @@ class _Evictor:
         self.clock = 0  # computations so far
         self.last_used = [0] * problem.n  # clock when each tensor was last computed or read
 
-    def run(self) -> Schedule:
-        for t in range(self.p.n):
+    def replay(self, prefix: Schedule) -> int:
+        """Take over the state after `prefix`; returns the next node to compute first."""
+        first = 0
+        for kind, v in prefix:
+            if kind == "free":
+                self._free(v)
+                continue
+            self.events.append((kind, v))
+            self.clock += 1
+            self.last_used[v] = self.clock
+            for u in self.p.preds[v]:
+                self.last_used[u] = self.clock
+            self.resident.add(v)
+            self.memory += self.p.size[v]
+            first = max(first, v + 1)
+        return first
+
+    def run(self, start: int = 0) -> Schedule:
+        for t in range(start, self.p.n):
             self.frontier = t
             self.stage_needed = self._stage_closure(t) if self.w.protect_stage else set()
             self._ensure(t)
