@@ -8,15 +8,20 @@ Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021; written from the i
 with the future known:
 
 * First computations run in node order. Before computing a node, its inputs are made resident,
-  missing ones recomputed recursively (inputs with the costliest recomputation first, while
-  memory is emptiest); an input stays pinned until its reader is computed.
+  missing ones recomputed recursively; an input stays pinned until its reader is computed. The
+  order: the input whose recomputation needs the most memory beyond its own result first
+  (Sethi-Ullman, re-ordered after each input), or in some variants the costliest first.
 * When a computation does not fit, an unpinned tensor is freed: one that nothing can read again
   if any, else the one with the least `recompute cost / (bytes * distance to its next need)`.
   The recompute cost includes missing ancestors (a few levels); a tensor's next need is its next
   first-computation reader or the next need of a missing successor it would feed. Some variants
   also prefer the least recently used tensor (recency_power).
+  One variant evicts what the current stage still reads (to recompute its inputs) only when
+  nothing else fits.
 * `undo_evictions` then drops recomputations whose tensor can instead stay resident in between,
   most expensive first, while the peak stays within the budget.
+* After the variants: jittered restarts, alternating with suffix restarts that keep the best
+  schedule up to a stage shortly before one where it recomputes a lot and schedule the rest.
 
 Every schedule is replayed by `simulate` before it is returned.
 """
