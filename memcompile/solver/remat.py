@@ -392,7 +392,7 @@ def _greedy_computes(
             split = _best_split_at(problem, grid, computes, intervals, overloaded[0])
         if split is None:
             return None
-        v, stage, chain = split if len(split) == 3 else (*split, ())
+        v, stage, chain = split
         for w in (v, *chain):
             bisect.insort(computes[w], stage)
     return None
@@ -537,7 +537,7 @@ def _chainable_inputs(
 
 def _best_split_at(
     problem: RematProblem, grid: _Grid, computes: list[list[int]], intervals: list[_Interval], t: int
-) -> tuple[int, int] | None:
+) -> tuple[int, int, tuple[int, ...]] | None:
     """Cheapest split per byte saved at stage t (inputs dragged onto stage t are charged)."""
     uses = _use_stages(problem, computes)
     by_node: dict[int, list[_Interval]] = {}
@@ -557,7 +557,7 @@ def _best_split_at(
         saved = problem.size[v] - dragged
         if saved > 0 and (best is None or (problem.cost[v] / saved, v) < (best[0], best[1])):
             best = (problem.cost[v] / saved, v, next_use)
-    return None if best is None else (best[1], best[2])
+    return None if best is None else (best[1], best[2], ())
 
 
 def _use_stages(problem: RematProblem, computes: list[list[int]]) -> list[set[int]]:

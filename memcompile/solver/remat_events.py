@@ -78,18 +78,6 @@ _RESTART_REACH = 40  # stages before a costly one that a suffix restart may star
 _ANCESTRY_DEPTH = 4  # levels of missing ancestors charged to a victim's recompute cost
 
 
-@dataclass(frozen=True)
-class Guide:
-    """A plan to follow: per node, the stage ranges [start, end] it is resident over (node t's
-    first computation is stage t), e.g. a stage-grid plan for a looser budget."""
-
-    intervals: tuple[tuple[tuple[int, int], ...], ...]
-
-    def holds(self, v: int, t: int) -> bool:
-        """Whether the plan keeps v resident from stage t into stage t + 1."""
-        return any(start <= t < end for start, end in self.intervals[v])
-
-
 class _Stuck(Exception):
     """Every resident tensor is pinned and the next computation does not fit."""
 
@@ -104,7 +92,6 @@ def eviction_schedule(
     weights: EvictionWeights,
     deadline: float,
     seed: int = 0,
-    guide: Guide | None = None,
     prefix: Schedule = (),
 ) -> Schedule | None:
     """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget.
@@ -117,7 +104,7 @@ def eviction_schedule(
     # would cut chains on the 1000-node benchmark graphs.
     sys.setrecursionlimit(max(limit, 4 * problem.n + 1000))
     try:
-        evictor = _Evictor(problem, budget, weights, deadline, random.Random(seed), guide)
+        evictor = _Evictor(problem, budget, weights, deadline, random.Random(seed))
         events = evictor.run(evictor.replay(prefix))
         peak, _ = simulate(problem, events)
     except (_Stuck, _OutOfTime, RecursionError, InvalidSchedule):
@@ -296,10 +283,8 @@ class _Evictor:
         weights: EvictionWeights,
         deadline: float,
         rng: random.Random,
-        guide: Guide | None = None,
     ):
         self.p = problem
-        self.guide = guide
         self.budget = budget
         self.w = weights
         self.deadline = deadline
@@ -340,11 +325,6 @@ class _Evictor:
             for u in (t, *self.p.preds[t]):
                 if u in self.resident and not self.pins[u] and self._next_need(u, needs) == math.inf:
                     self._free(u)
-            if self.guide is not None:
-                # Follow the guide's frees: what it does not hold past stage t is recomputed on demand.
-                for u in sorted(self.resident):
-                    if not self.pins[u] and self.p.recomputable[u] and not self.guide.holds(u, t):
-                        self._free(u)
         return tuple(self.events)
 
     def _next_reader(self, v: int) -> float:
