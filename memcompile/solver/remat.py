@@ -367,6 +367,7 @@ def _greedy_computes(
     deadline: float,
     thorough: bool,
     start: list[list[int]] | None = None,
+    chains: bool = False,
 ) -> list[list[int]] | None:
     """Repair the no-recompute plan until every stage fits `capacity` (bytes, static excluded).
 
@@ -375,7 +376,8 @@ def _greedy_computes(
     that must then live until the recomputation are charged). Returns compute stages per node, or
     None if no split reduces the overflow. `thorough=False` only looks at the most loaded stage
     and at bytes saved there: much faster on large graphs, but it gets stuck more often.
-    `start`: repair this plan instead of the no-recompute one.
+    `start`: repair this plan instead of the no-recompute one. `chains` (thorough only): also
+    splits that recompute the inputs along instead of holding them (near the least peak).
     """
     computes = [list(stages) for stages in start] if start else [[grid.first(v)] for v in range(problem.n)]
     while time.monotonic() < deadline:
@@ -385,18 +387,25 @@ def _greedy_computes(
         if not overloaded:
             return _prune_recomputations(problem, grid, _merge_adjacent(problem, computes), capacity, deadline)
         if thorough:
-            split = _first_useful_split(problem, grid, computes, intervals, loads, capacity, overloaded)
+            split = _first_useful_split(problem, grid, computes, intervals, loads, capacity, overloaded, chains)
         else:
             split = _best_split_at(problem, grid, computes, intervals, overloaded[0])
         if split is None:
             return None
-        v, stage = split
-        bisect.insort(computes[v], stage)
+        v, stage, chain = split
+        for w in (v, *chain):
+            bisect.insort(computes[w], stage)
     return None
 
 
 def _improve_by_repair(
-    problem: RematProblem, grid: _Grid, plan: list[list[int]], capacity: int, deadline: float, seed: int
+    problem: RematProblem,
+    grid: _Grid,
+    plan: list[list[int]],
+    capacity: int,
+    deadline: float,
+    seed: int,
+    chains: bool = False,
 ) -> list[list[int]]:
     """Large-neighbourhood search: drop the recomputations in a random stage window, repair.
 
@@ -412,7 +421,7 @@ def _improve_by_repair(
         centre = rng.choice(extra)
         width = rng.randint(1, max(1, grid.horizon // 10))
         trial = [[s for i, s in enumerate(stages) if i == 0 or abs(s - centre) > width] for stages in best]
-        repaired = _greedy_computes(problem, grid, capacity, deadline, True, start=trial)
+        repaired = _greedy_computes(problem, grid, capacity, deadline, True, start=trial, chains=chains)
         if repaired is not None and _plan_cost(problem, repaired) < best_cost - 1e-9:
             best, best_cost, stale = repaired, _plan_cost(problem, repaired), 0
         else:
@@ -471,7 +480,10 @@ def _first_useful_split(
     loads: list[int],
     capacity: int,
     overloaded: list[int],
-) -> tuple[int, int] | None:
+    chains: bool = False,
+) -> tuple[int, int, tuple[int, ...]] | None:
+    """Cheapest split per byte-stage of overflow removed at one of the worst stages. `chains`:
+    also splits whose inputs (freed before that stage) are recomputed along with them."""
     uses = _use_stages(problem, computes)
     by_node: dict[int, list[_Interval]] = {}
     for iv in intervals:
@@ -487,19 +499,45 @@ def _first_useful_split(
             last_use = max([s for s in uses[v] if iv.start <= s < t], default=iv.start)
             # Recomputing a little before the next use can keep the inputs off that (busy) stage.
             for redo in range(next_use, max(t, next_use - 2), -1):
-                removed = _overflow_removed(problem, by_node, computes, excess, v, last_use, redo)
-                if removed > 0:
-                    score = problem.cost[v] / removed
-                    if best is None or (score, v, -redo) < (best[0], best[1], -best[2]):
-                        best = (score, v, redo)
+                options = [()]
+                if chains:
+                    chain = _chainable_inputs(problem, grid, by_node, computes, v, t, redo)
+                    options += [chain] if chain else []
+                for chain in options:
+                    removed = _overflow_removed(problem, by_node, computes, excess, v, last_use, redo, chain)
+                    if removed > 0:
+                        score = (problem.cost[v] + sum(problem.cost[u] for u in chain)) / removed
+                        if best is None or (score, v, -redo) < (best[0], best[1], -best[2]):
+                            best = (score, v, redo, chain)
         if best is not None:
-            return best[1], best[2]
+            return best[1], best[2], best[3]
     return None
+
+
+def _chainable_inputs(
+    problem: RematProblem,
+    grid: _Grid,
+    by_node: Mapping[int, list[_Interval]],
+    computes: list[list[int]],
+    v: int,
+    t: int,
+    redo: int,
+) -> tuple[int, ...]:
+    """Inputs of v that would have to stay resident over stage t for v's recomputation at `redo`
+    and can instead be recomputed at `redo` too (a recomputation chain; near the least peak,
+    dragging them is what leaves no split that removes overflow)."""
+    chain = []
+    for u in problem.preds[v]:
+        k = bisect.bisect_right(computes[u], redo) - 1
+        held = by_node[u][k]
+        if held.end < t and redo not in computes[u] and len(computes[u]) < grid.max_computations[u]:
+            chain.append(u)
+    return tuple(chain)
 
 
 def _best_split_at(
     problem: RematProblem, grid: _Grid, computes: list[list[int]], intervals: list[_Interval], t: int
-) -> tuple[int, int] | None:
+) -> tuple[int, int, tuple[int, ...]] | None:
     """Cheapest split per byte saved at stage t (inputs dragged onto stage t are charged)."""
     uses = _use_stages(problem, computes)
     by_node: dict[int, list[_Interval]] = {}
@@ -519,7 +557,7 @@ def _best_split_at(
         saved = problem.size[v] - dragged
         if saved > 0 and (best is None or (problem.cost[v] / saved, v) < (best[0], best[1])):
             best = (problem.cost[v] / saved, v, next_use)
-    return None if best is None else (best[1], best[2])
+    return None if best is None else (best[1], best[2], ())
 
 
 def _use_stages(problem: RematProblem, computes: list[list[int]]) -> list[set[int]]:
@@ -538,13 +576,22 @@ def _overflow_removed(
     v: int,
     last_use: int,
     redo: int,
+    chain: tuple[int, ...] = (),
 ) -> int:
-    """Byte-stages over capacity removed by freeing v after `last_use`, recomputing it at `redo`.
+    """Byte-stages over capacity removed by freeing v after `last_use`, recomputing it at `redo`
+    (with the inputs in `chain` recomputed at `redo` as well, their own inputs held until then).
 
     `excess` is load minus capacity per stage (numpy: this runs for every candidate split).
     """
     dragged = []  # inputs must now stay resident until the recomputation
     for u in problem.preds[v]:
+        if u in chain:
+            dragged.append((redo, problem.size[u]))
+            for w in problem.preds[u]:
+                k = bisect.bisect_right(computes[w], redo) - 1
+                if by_node[w][k].end + 1 <= redo:
+                    dragged.append((by_node[w][k].end + 1, problem.size[w]))
+            continue
         k = bisect.bisect_right(computes[u], redo) - 1
         if by_node[u][k].end + 1 <= redo:
             dragged.append((by_node[u][k].end + 1, problem.size[u]))
@@ -1249,12 +1296,18 @@ def _search(
         return _no_schedule("infeasible", budget + 1, started)
     capacity = budget - problem.static_bytes
     large = _cover_literals(problem, _make_grid(problem, substeps, max_computations)) > _LARGE_MODEL
-    grid, greedy = _grid_with_greedy_plan(
-        problem, capacity, substeps, max_computations, started + _GREEDY_SHARE * time_limit_s, cheapest=large
+    grid, greedy, chains = _grid_with_greedy_plan(
+        problem,
+        capacity,
+        substeps,
+        max_computations,
+        started + _GREEDY_SHARE * time_limit_s,
+        cheapest=large,
+        chain_deadline=started + _CHAIN_GREEDY_SHARE * time_limit_s,
     )
     if large and greedy is not None:
         # CP-SAT would spend the time limit building and presolving: improve the plan by repair.
-        plan = _improve_by_repair(problem, grid, greedy, capacity, deadline, seed)
+        plan = _improve_by_repair(problem, grid, greedy, capacity, deadline, seed, chains)
         plan = _improve_by_windows(problem, grid, plan, capacity, deadline, seed, workers)
         schedule = _checked(problem, budget, _intervals_from_computes(problem, plan))
         if schedule is not None:
@@ -1262,12 +1315,29 @@ def _search(
     if large and greedy is None:
         # The stage grid found nothing and CP-SAT would not finish building: schedule by events.
         return _event_level_fallback(problem, budget, proven, peak_lb, "no_schedule", deadline, seed, started)
+    events_first: RematResult | None = None
+    if greedy is None:
+        # No grid plan (tight budget): CP-SAT may find none either (random_layered_n250 at 0.7),
+        # so first look for an event-level schedule (up to a share of the time, stopping at the
+        # first one found); CP-SAT gets the rest and the cheaper schedule wins.
+        now = time.monotonic()
+        share = now + _EVENTS_SHARE * (deadline - now)
+        events_first = _event_level_fallback(
+            problem, budget, proven, peak_lb, "no_schedule", share, seed, started, stop_at_first=True
+        )
+        if not events_first.has_schedule:
+            events_first = None
     scale = _cost_scale(problem.cost)
     rm = _build_model(problem, grid, capacity, scale)
     if greedy is not None:
         _add_hint(problem, rm, grid, greedy)
     fallback = _checked(problem, budget, _intervals_from_computes(problem, greedy)) if greedy else None
     outcome = _two_phase_solve(rm.model, deadline, time_limit_s, workers, seed, relative_gap)
+    if events_first is not None:
+        # The cheaper of the event-level schedule and CP-SAT's (checked as below).
+        schedule = _checked(problem, budget, _computes_from_solution(rm, outcome.solver)) if outcome.has_solution else None
+        if schedule is None or _cost(problem, schedule) > events_first.cost:
+            return events_first
 
     base_cost = sum(problem.cost)
     # The proven bound holds for every schedule, so also within the formulation.
@@ -1384,14 +1454,16 @@ def _event_level_fallback(
     deadline: float,
     seed: int,
     started: float,
+    stop_at_first: bool = False,
 ) -> RematResult:
     """Schedules the stage grid cannot express (recomputation chains inside a stage), by eviction.
 
-    Runs until `deadline` (at least one attempt); its schedules are replayed and fit the budget.
+    Runs until `deadline` (at least one attempt) or, with `stop_at_first`, the first schedule;
+    its schedules are replayed and fit the budget.
     """
     from .remat_events import best_eviction_schedule  # imports this module
 
-    schedule = best_eviction_schedule(problem, budget, deadline, seed)
+    schedule = best_eviction_schedule(problem, budget, deadline, seed, stop_at_first=stop_at_first)
     if schedule is None:
         return _no_schedule(status_if_none, peak_lb, started)
     return _with_schedule(problem, schedule, proven, proven, "heuristic_events", started)
@@ -1408,6 +1480,12 @@ _BOUND_SHARE = 0.05
 # Share for the greedy variants and their repair search (`_improve_by_repair`): on the largest
 # graphs CP-SAT rarely improves on them in time.
 _GREEDY_SHARE = 0.5
+# Until this share of the time limit, greedy variants with recomputation chains may run when the
+# others found no plan (the alternative then is the event-level fallback).
+_CHAIN_GREEDY_SHARE = 0.75
+# Most of the time left after the greedy that the event-level search may take, before CP-SAT,
+# to find a first schedule when the grid greedy found no plan.
+_EVENTS_SHARE = 0.5
 _LNS_PATIENCE = 40
 # Above this many input-cover literals CP-SAT spends ~15 s building and presolving the model
 # (random_layered_n1000: 23k) and found no better plan than the greedy's within 30 s on 2 cores;
@@ -1470,7 +1548,8 @@ def _grid_with_greedy_plan(
     max_computations: int | None,
     deadline: float,
     cheapest: bool = False,
-) -> tuple[_Grid, list[list[int]] | None]:
+    chain_deadline: float | None = None,
+) -> tuple[_Grid, list[list[int]] | None, bool]:
     """Cheapest plan among the greedy variants, and the smallest grid that holds it.
 
     Variants: up to C=2 or C=3 computations per node, fast or thorough split choice. No variant
@@ -1479,29 +1558,46 @@ def _grid_with_greedy_plan(
     time; `cheapest=False` stops at the first plan (CP-SAT improves it; a smaller C=2 model and
     this hint prove the Checkmate graphs fastest), `cheapest=True` runs all and keeps the best.
     The CP-SAT model uses C=3 only when the plan recomputes a node twice.
+    Near the least peak (`cheapest`: when the fast variants find nothing; else when no variant
+    does) thorough variants that may also recompute a split's inputs along (`chains`) run until
+    `chain_deadline`: random_layered_n1000 at 0.7 gets 7.8% overhead, n500 15% (C=3 only),
+    where the eviction fallback got 18% and 96%. Budgets where the fast variants succeed run
+    exactly the variants they ran before chains existed.
+    Returns the grid, the plan (None if none) and whether it uses chains.
     """
     tiny = problem.n <= 8  # the default grid already allows n computations per node
     cs = [max_computations] if max_computations or tiny else [None, 3]
-    choices = [(c, thorough) for thorough in (False, True) for c in cs]
-    if not cheapest:
-        choices = [(c, thorough) for c in cs for thorough in (False, True)]
-    best: tuple[float, _Grid, list[list[int]]] | None = None
-    for i, (c, thorough) in enumerate(choices):
-        grid = _make_grid(problem, substeps, c)
-        share = (deadline - time.monotonic()) / (len(choices) - i)
-        plan = _greedy_computes(problem, grid, capacity, time.monotonic() + share, thorough)
-        if plan is not None:
-            cost = sum(problem.cost[v] * len(stages) for v, stages in enumerate(plan))
-            if best is None or cost < best[0]:
-                best = (cost, grid, plan)
-            if not cheapest:
-                break
+    chain_choices = [(c, True, True) for c in cs] if chain_deadline is not None and not tiny else []
+    best: tuple[float, _Grid, list[list[int]], bool] | None = None
+
+    def run(choices: list[tuple[int | None, bool, bool]], until: float) -> None:
+        nonlocal best
+        for i, (c, thorough, chains) in enumerate(choices):
+            if best is not None and not cheapest:
+                return
+            grid = _make_grid(problem, substeps, c)
+            share = (until - time.monotonic()) / (len(choices) - i)
+            plan = _greedy_computes(problem, grid, capacity, time.monotonic() + share, thorough, chains=chains)
+            if plan is not None:
+                cost = sum(problem.cost[v] * len(stages) for v, stages in enumerate(plan))
+                if best is None or cost < best[0]:
+                    best = (cost, grid, plan, chains)
+
+    if cheapest:
+        run([(c, False, False) for c in cs], time.monotonic() + 0.25 * (deadline - time.monotonic()))
+        if best is None:  # the fast variants got stuck: a tight budget, where chains pay most
+            run(chain_choices, chain_deadline)
+        run([(c, True, False) for c in cs], deadline)
+    else:
+        run([(c, thorough, False) for c in cs for thorough in (False, True)], deadline)
+        if best is None:
+            run(chain_choices, chain_deadline)
     if best is None:
-        return _make_grid(problem, substeps, cs[0]), None
-    _, grid, plan = best
+        return _make_grid(problem, substeps, cs[0]), None, False
+    _, grid, plan, chains = best
     if not max_computations and not tiny and max(len(stages) for stages in plan) <= 2:
         grid = _make_grid(problem, substeps, None)
-    return grid, plan
+    return grid, plan, chains
 
 
 def _checked(problem: RematProblem, budget: int, intervals: Iterable[_Interval]) -> Schedule | None:

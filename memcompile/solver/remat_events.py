@@ -8,15 +8,20 @@ Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021; written from the i
 with the future known:
 
 * First computations run in node order. Before computing a node, its inputs are made resident,
-  missing ones recomputed recursively (inputs with the costliest recomputation first, while
-  memory is emptiest); an input stays pinned until its reader is computed.
+  missing ones recomputed recursively; an input stays pinned until its reader is computed. The
+  order: the input whose recomputation needs the most memory beyond its own result first
+  (Sethi-Ullman, re-ordered after each input), or in some variants the costliest first.
 * When a computation does not fit, an unpinned tensor is freed: one that nothing can read again
   if any, else the one with the least `recompute cost / (bytes * distance to its next need)`.
   The recompute cost includes missing ancestors (a few levels); a tensor's next need is its next
   first-computation reader or the next need of a missing successor it would feed. Some variants
   also prefer the least recently used tensor (recency_power).
+  One variant evicts what the current stage still reads (to recompute its inputs) only when
+  nothing else fits.
 * `undo_evictions` then drops recomputations whose tensor can instead stay resident in between,
   most expensive first, while the peak stays within the budget.
+* After the variants: jittered restarts, alternating with suffix restarts that keep the best
+  schedule up to a stage shortly before one where it recomputes a lot and schedule the rest.
 
 Every schedule is replayed by `simulate` before it is returned.
 """
@@ -44,19 +49,32 @@ class EvictionWeights:
     size_power: float = 1.0
     noise: float = 0.0
     recency_power: float = 0.0  # divide by (computations since last use + 1) ** power: least recently used first
+    input_order: str = "memory"  # missing inputs: "memory" (largest working set first) or "cost" (costliest first)
+    protect_stage: bool = False  # evict what the current stage still reads only when nothing else fits
+
+    def __post_init__(self) -> None:
+        if self.input_order not in ("memory", "cost"):
+            raise ValueError(f"input_order must be 'memory' or 'cost', got {self.input_order!r}")
 
 
 # Least-recently-used first among equally scored victims stops much of the thrashing in deep
 # recomputation chains (random_layered_n500 at 0.7: 344% overhead instead of 917-1193%), but
-# costs more elsewhere (n1000 at 0.7: 23% instead of 19%): it runs first, and the best run wins.
+# costs more elsewhere (n1000 at 0.7: 23% instead of 19%). Making the input with the largest
+# working set resident first ("memory" order) is what finds any schedule for random_layered_n250
+# at 0.7 (every "cost"-order variant gets stuck at its 44-input node) and gives n500 at 0.7 142%
+# instead of 337%; n1000 at 0.7 is about even (19% vs 18%). No variant dominates: each runs once
+# (tight budgets first), then jittered restarts, and the cheapest schedule wins.
 _VARIANTS = (
-    EvictionWeights(2.0, 2.0, recency_power=1.0),
     EvictionWeights(2.0, 2.0),
-    EvictionWeights(1.0, 1.0),
-    EvictionWeights(2.0, 1.0, recency_power=0.5),
-    EvictionWeights(2.0, 1.0),
+    EvictionWeights(2.0, 2.0, recency_power=1.0, input_order="cost"),
+    EvictionWeights(2.0, 1.0, recency_power=0.5, input_order="cost"),
+    EvictionWeights(2.0, 2.0, recency_power=1.0, protect_stage=True),
     EvictionWeights(1.0, 2.0),
+    EvictionWeights(2.0, 2.0, input_order="cost"),
+    EvictionWeights(1.0, 1.0, input_order="cost"),
+    EvictionWeights(2.0, 1.0),
 )
+_RESTART_REACH = 40  # stages before a costly one that a suffix restart may start at
 _ANCESTRY_DEPTH = 4  # levels of missing ancestors charged to a victim's recompute cost
 
 
@@ -69,15 +87,25 @@ class _OutOfTime(Exception):
 
 
 def eviction_schedule(
-    problem: RematProblem, budget: int, weights: EvictionWeights, deadline: float, seed: int = 0
+    problem: RematProblem,
+    budget: int,
+    weights: EvictionWeights,
+    deadline: float,
+    seed: int = 0,
+    prefix: Schedule = (),
 ) -> Schedule | None:
-    """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget."""
+    """One eviction run; None when it gets stuck, runs past `deadline` or exceeds the budget.
+
+    `prefix`: a valid start of a schedule that ends just before a first computation; the run
+    continues from the state it leaves (the result starts with it).
+    """
     limit = sys.getrecursionlimit()
     # Recomputation chains recurse once per node (a few frames each); the default limit of 1000
     # would cut chains on the 1000-node benchmark graphs.
     sys.setrecursionlimit(max(limit, 4 * problem.n + 1000))
     try:
-        events = _Evictor(problem, budget, weights, deadline, random.Random(seed)).run()
+        evictor = _Evictor(problem, budget, weights, deadline, random.Random(seed))
+        events = evictor.run(evictor.replay(prefix))
         peak, _ = simulate(problem, events)
     except (_Stuck, _OutOfTime, RecursionError, InvalidSchedule):
         return None
@@ -86,24 +114,38 @@ def eviction_schedule(
     return events if peak <= budget else None
 
 
-def best_eviction_schedule(problem: RematProblem, budget: int, deadline: float, seed: int = 0) -> Schedule | None:
+def best_eviction_schedule(
+    problem: RematProblem, budget: int, deadline: float, seed: int = 0, stop_at_first: bool = False
+) -> Schedule | None:
     """Cheapest schedule over the weight variants, then jittered restarts, each polished by
-    `undo_evictions`, until `deadline` (at least one run, so tiny graphs always get a try)."""
+    `undo_evictions`, until `deadline` (at least one run, so tiny graphs always get a try) or,
+    with `stop_at_first`, the first schedule found."""
     rng = random.Random(seed)
     best: tuple[float, Schedule] | None = None
     failures = 0
     for attempt in range(10_000):
         if attempt and time.monotonic() >= deadline:
             break
+        prefix: Schedule = ()
         if attempt < len(_VARIANTS):
-            weights = _VARIANTS[attempt]
+            # Looking for any schedule: the variant that finds one nearest the least peak first.
+            weights = _VARIANTS[(attempt + 3) % len(_VARIANTS) if stop_at_first and attempt < 4 else attempt]
         else:
             if best is None and failures >= 3 * len(_VARIANTS):
                 break  # nothing fits: jitter will not help either
             base = _VARIANTS[rng.randrange(len(_VARIANTS))]
             weights = dataclasses.replace(base, noise=rng.uniform(0.1, 1.0))
-        run_deadline = deadline if attempt else max(deadline, time.monotonic() + 1.0)
-        schedule = eviction_schedule(problem, budget, weights, run_deadline, seed=seed + attempt)
+            if best is not None and attempt % 2:
+                # Large-neighbourhood step: keep the best schedule up to a stage shortly before
+                # one where it recomputes a lot, and schedule the rest again.
+                prefix = _prefix_before(problem, best[1], _restart_stage(problem, best[1], rng))
+        now = time.monotonic()
+        # One thrashing variant must not take all the time: each run gets at most half of it
+        # (a stuck run often thrashes for long before it gives up).
+        run_deadline = min(deadline, now + max(1.0, 0.5 * (deadline - now)))
+        if not attempt:
+            run_deadline = max(run_deadline, now + 1.0)
+        schedule = eviction_schedule(problem, budget, weights, run_deadline, seed=seed + attempt, prefix=prefix)
         if schedule is None:
             failures += 1
             continue
@@ -111,7 +153,37 @@ def best_eviction_schedule(problem: RematProblem, budget: int, deadline: float, 
         cost = simulate(problem, schedule)[1]
         if best is None or cost < best[0]:
             best = (cost, schedule)
+        if stop_at_first:
+            break
     return None if best is None else best[1]
+
+
+def _restart_stage(problem: RematProblem, schedule: Schedule, rng: random.Random) -> int:
+    """A stage up to `_RESTART_REACH` before one drawn by the cost of the recomputations that
+    precede its first computation."""
+    spent = [0.0] * problem.n
+    computed: set[int] = set()
+    pending = 0.0
+    for kind, v in schedule:
+        if kind != "compute":
+            continue
+        if v in computed:
+            pending += problem.cost[v]
+        else:
+            computed.add(v)
+            spent[v], pending = pending, 0.0
+    if not any(spent):
+        return rng.randrange(problem.n)
+    costly = rng.choices(range(problem.n), weights=spent)[0]
+    return rng.randint(max(0, costly - _RESTART_REACH), costly)
+
+
+def _prefix_before(problem: RematProblem, schedule: Schedule, stage: int) -> Schedule:
+    """The events before the first computation of node `stage`."""
+    for k, (kind, v) in enumerate(schedule):
+        if kind == "compute" and v == stage:
+            return schedule[:k]
+    return schedule
 
 
 def undo_evictions(problem: RematProblem, schedule: Schedule, budget: int, deadline: float) -> Schedule:
@@ -205,7 +277,12 @@ def _fits(problem: RematProblem, events: Schedule, budget: int) -> bool:
 
 class _Evictor:
     def __init__(
-        self, problem: RematProblem, budget: int, weights: EvictionWeights, deadline: float, rng: random.Random
+        self,
+        problem: RematProblem,
+        budget: int,
+        weights: EvictionWeights,
+        deadline: float,
+        rng: random.Random,
     ):
         self.p = problem
         self.budget = budget
@@ -218,12 +295,31 @@ class _Evictor:
         self.memory = problem.static_bytes
         self.events: list[Event] = []
         self.frontier = 0  # the node whose first computation is under way
+        self.stage_needed: set[int] = set()  # read while computing the frontier (recomputations included)
         self.clock = 0  # computations so far
         self.last_used = [0] * problem.n  # clock when each tensor was last computed or read
 
-    def run(self) -> Schedule:
-        for t in range(self.p.n):
+    def replay(self, prefix: Schedule) -> int:
+        """Take over the state after `prefix`; returns the next node to compute first."""
+        first = 0
+        for kind, v in prefix:
+            if kind == "free":
+                self._free(v)
+                continue
+            self.events.append((kind, v))
+            self.clock += 1
+            self.last_used[v] = self.clock
+            for u in self.p.preds[v]:
+                self.last_used[u] = self.clock
+            self.resident.add(v)
+            self.memory += self.p.size[v]
+            first = max(first, v + 1)
+        return first
+
+    def run(self, start: int = 0) -> Schedule:
+        for t in range(start, self.p.n):
             self.frontier = t
+            self.stage_needed = self._stage_closure(t) if self.w.protect_stage else set()
             self._ensure(t)
             needs: dict[int, float] = {}
             for u in (t, *self.p.preds[t]):
@@ -265,14 +361,15 @@ class _Evictor:
         if v < self.frontier and not self.p.recomputable[v]:
             raise _Stuck
         self.pins[v] += 1
-        costs: dict[int, float] = {}
-        # Missing inputs with the deepest recomputation first, while fewer inputs are pinned.
-        inputs = sorted(
-            self.p.preds[v], key=lambda u: (u in self.resident, -self._recompute_cost(u, costs, _ANCESTRY_DEPTH), u)
-        )
-        for u in inputs:
+        inputs = []
+        pending = list(self.p.preds[v])
+        while pending:
+            # Re-ordered after each input: recomputing one may have evicted another.
+            u = self._input_order(pending)[0]
+            pending.remove(u)
             self._ensure(u)
             self.pins[u] += 1
+            inputs.append(u)
         while self.memory + self.p.size[v] > self.budget:
             victim = self._pick_victim()
             if victim is None:
@@ -289,18 +386,70 @@ class _Evictor:
         for u in inputs:
             self.pins[u] -= 1
 
+    def _input_order(self, preds: list[int]) -> list[int]:
+        """Inputs in the order to make them resident: missing ones first, the one whose
+        recomputation needs the most memory beyond its own result first (Sethi-Ullman order: an
+        input made resident early stays pinned while the later ones are recomputed)."""
+        if self.w.input_order == "cost":
+            costs: dict[int, float] = {}
+            key = lambda u: (u in self.resident, -self._recompute_cost(u, costs, _ANCESTRY_DEPTH), u)  # noqa: E731
+            return sorted(preds, key=key)
+        working: dict[int, int] = {}
+        return sorted(
+            preds, key=lambda u: (u in self.resident, self.p.size[u] - self._working_set(u, working), u)
+        )
+
+    def _working_set(self, v: int, memo: dict[int, int]) -> int:
+        """Bytes beyond the resident tensors needed to make v resident (0 if it is): the peak of
+        recomputing its missing ancestors in Sethi-Ullman order, ignoring evictions."""
+        if v in self.resident:
+            return 0
+        if v not in memo:
+            memo[v] = self.p.size[v]  # guards the recursion; the DAG has no cycles
+            missing = [u for u in self.p.preds[v] if u not in self.resident]
+            needs = sorted(((self._working_set(u, memo), self.p.size[u]) for u in missing), key=lambda ws: ws[1] - ws[0])
+            peak, held = 0, 0
+            for need, size in needs:
+                peak = max(peak, held + need)
+                held += size
+            memo[v] = max(peak, held + self.p.size[v])
+        return memo[v]
+
     def _free(self, u: int) -> None:
         self.events.append(("free", u))
         self.resident.discard(u)
         self.memory -= self.p.size[u]
 
+    def _stage_closure(self, v: int) -> set[int]:
+        """Tensors the computation of v reads, directly or to recompute missing ancestors."""
+        needed: set[int] = set()
+        stack = [v]
+        while stack:
+            x = stack.pop()
+            for u in self.p.preds[x]:
+                if u not in needed:
+                    needed.add(u)
+                    if u not in self.resident:
+                        stack.append(u)
+        return needed
+
     def _pick_victim(self) -> int | None:
+        victim = self._pick_victim_among(spare_stage=self.w.protect_stage)
+        if victim is None and self.w.protect_stage:
+            victim = self._pick_victim_among(spare_stage=False)
+            if victim is not None:  # its recomputation in this stage needs its own inputs
+                self.stage_needed |= self._stage_closure(victim)
+        return victim
+
+    def _pick_victim_among(self, spare_stage: bool) -> int | None:
         needs: dict[int, float] = {}
         costs: dict[int, float] = {}
         best: tuple[float, int] | None = None
         for v in sorted(self.resident):
             if self.pins[v] or self.p.size[v] == 0:
                 continue
+            if spare_stage and v in self.stage_needed:
+                continue  # evicting it would mean recomputing it within this stage: thrashing
             need = self._next_need(v, needs)
             if need == math.inf:
                 return v  # nothing can read it again
