@@ -328,6 +328,7 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
             return list(dict.fromkeys(out))
 
         kernel_of = {sub.get_name(): i for i, sn in enumerate(graph.scheduler.nodes) for sub in sn.get_nodes()}
+        call_groups = _cpp_call_groups(graph.scheduler)
         kernels = []
         generated_kernels: set[int] = set()
         for index, snode in enumerate(graph.scheduler.nodes):
@@ -397,7 +398,8 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
             kernels.append(ScheduledKernel(
                 index=index, name=origin.name if origin is not None else snode.get_name(),
                 allocates=tuple(allocates), reads=tuple(reads), in_place_candidates=tuple(candidates),
-                wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else ""))
+                wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else "",
+                call_group=call_groups[index]))
 
         outputs: list[str | None] = []
         for value in graph.graph_outputs:
@@ -422,6 +424,40 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
                    for k in kernels]
         peak_estimate = _inductor_peak_estimate(graph)
     return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate)
+
+
+def _cpp_call_groups(scheduler) -> list[int]:
+    """Per scheduler node, the wrapper call it runs in (-1: one of its own), as
+    Scheduler._codegen emits them: it flushes the backend (emits the pending call, then frees
+    what it read last) before a library call, a template or a device change, and frees right
+    after a library call; Inductor's C++ backend (CppScheduling) otherwise keeps adding
+    generated kernels to one call (its ready_to_flush only past 500 arguments: ignored, a larger
+    group holds more, never less). Other backends (Triton) free after each kernel."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    groups: list[int] = []
+    current, device = -1, None
+    for index, snode in enumerate(scheduler.nodes):
+        node_device = snode.get_device()
+        backend = None
+        if node_device is not None and node_device.type != "meta":
+            try:
+                backend = scheduler.get_backend(node_device)
+            except Exception:  # noqa: BLE001 - no backend known: a call of its own
+                backend = None
+        if node_device is None and not snode.is_extern():
+            groups.append(current)  # a no-op kernel: no flush, no call, inside the pending one
+            continue
+        if snode.is_extern() or not isinstance(backend, CppScheduling):
+            groups.append(-1)
+            current = -1
+            continue
+        if current < 0 or snode.is_template() or (node_device is not None and node_device != device):
+            current = index
+        if node_device is not None:
+            device = node_device
+        groups.append(current)
+    return groups
 
 
 def _outer_loop_fused_kept_buffers(snodes) -> set[str]:

@@ -38,6 +38,14 @@ class ScheduledKernel:
     in_place_candidates: tuple[tuple[str, str], ...]  # (result, input it may be written over)
     wrapper_allocates: bool  # generated kernel or out= library call: may take a freed buffer
     extern_origin: str = ""  # the FX node of a library kernel (for its workspace), else ""
+    # The wrapper call this kernel runs in, when several kernels share one (-1: a call of its
+    # own). Inductor's C++ backend (codegen/cpp.py CppScheduling) gathers the generated kernels
+    # between two library calls into one C++ function: the wrapper allocates every member's
+    # buffers before that single call and frees what the members read last only after it
+    # (Scheduler._codegen flushes, and frees, at library calls and templates only). GPT-2
+    # tiny's last kernel group allocated the 128 KiB embedding gradient while the attention's
+    # 48 KiB qkv gradient, read by an earlier member, was still held: 32 KB over the budget.
+    call_group: int = -1
 
 
 @dataclass(frozen=True)

@@ -281,12 +281,16 @@ def _in_place_donors(nodes: list[fx.Node], roots: dict, fused: _Fusion) -> dict[
 
 def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
                storages: dict[str, _Storage], record, donors: dict[fx.Node, list[str]] | None = None,
-               allocates: frozenset = frozenset(), estimate: tuple[tuple[int, ...], int] | None = None) -> None:
+               allocates: frozenset = frozenset(), estimate: tuple[tuple[int, ...], int] | None = None,
+               frees_after: tuple[bool, ...] | None = None) -> None:
     """Walk one graph: allocate what each node creates (in place of a dying storage it may
     overwrite, see _in_place_donors; in a freed storage kept for reuse, see _pool_reuses),
-    record the step, free what is done."""
+    record the step, free what is done. `frees_after[step]`: whether the wrapper frees after
+    that step (False inside one C++ call of several kernels, see ScheduledKernel.call_group:
+    what its members read last is freed after the call's last member); None: after every step."""
     donors = donors or {}
-    reuses = _pool_reuses(nodes, creates, dict(live), storages, donors, allocates, estimate) if allocates else {}
+    reuses = _pool_reuses(nodes, creates, dict(live), storages, donors, allocates, estimate,
+                          frees_after) if allocates else {}
     held_until = {old: step for old, (step, _new) in reuses.items()}
     taken_by = {new: old for old, (_step, new) in reuses.items()}
     for step, node in enumerate(nodes):
@@ -297,6 +301,8 @@ def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str
                 live.pop(taken_by[key], None)  # the freed storage becomes this one
             live[key] = storages[key]
         record(phase, node)
+        if frees_after is not None and not frees_after[step]:
+            continue
         for key in [k for k, s in live.items() if not s.pinned and s.last_step <= step
                     and held_until.get(k, -1) <= step]:
             del live[key]
@@ -332,7 +338,8 @@ def _take_in_place(node, step: int, created, live: dict[str, _Storage], storages
 def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
                  storages: dict[str, _Storage], donors: dict[fx.Node, list[str]],
                  allocates: frozenset,
-                 estimate: tuple[tuple[int, ...], int] | None = None) -> dict[str, tuple[int, str]]:
+                 estimate: tuple[tuple[int, ...], int] | None = None,
+                 frees_after: tuple[bool, ...] | None = None) -> dict[str, tuple[int, str]]:
     """Inductor's wrapper does not free a dead buffer that a later allocation of the same dtype
     and size reuses (codegen/wrapper.py: FreeIfNotReusedLine, a LIFO pool per reuse key): its
     memory stays allocated until that allocation. Returns {freed storage: (step, storage that
@@ -367,6 +374,8 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
                 else:
                     bucket.append((old, freed_at))  # Inductor puts it back and allocates anew
             live[key] = new
+        if frees_after is not None and not frees_after[step]:
+            continue  # freed (and offered for reuse) after the call's last kernel
         for key in [k for k, s in live.items() if not s.pinned and s.last_step <= step]:
             old = live.pop(key)
             if not old.user_visible and not old.from_input and old.category == TEMPORARY and old.nbytes:
@@ -458,7 +467,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
                     donors.setdefault(k, {}).setdefault(key_of[result], []).append(key_of[donor])
         allocates = frozenset(k for k in kernels if k.wrapper_allocates)
         _run_phase(phase, kernels, creates, live, storages, lambda ph, k: record(ph, k, graph), donors, allocates,
-                   (schedule.peak_estimate, schedule.overall_peak_estimate))
+                   (schedule.peak_estimate, schedule.overall_peak_estimate), _frees_after(kernels))
 
     # ---- forward
     def fw_input(node: fx.Node) -> str:
@@ -520,6 +529,13 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
         peak["breakdown"] = ((STATIC, static_bytes),)
     peak_index = max(range(len(steps)), key=lambda i: steps[i].live_bytes)
     return LivenessTimeline(tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"])
+
+
+def _frees_after(kernels: list[ScheduledKernel]) -> tuple[bool, ...]:
+    """Per kernel, whether the wrapper frees after it: after the last kernel of a C++ call that
+    runs several (ScheduledKernel.call_group), after every other kernel."""
+    return tuple(k.call_group < 0 or i + 1 == len(kernels) or kernels[i + 1].call_group != k.call_group
+                 for i, k in enumerate(kernels))
 
 
 def _record_step(steps: list, peak: dict, live: dict[str, _Storage], phase: str, name: str, scratch: int) -> None:
