@@ -135,3 +135,49 @@ def test_the_least_peak_search_runs_once_per_graph(monkeypatch):
     assert least.timeline.peak_bytes == error.value.min_feasible_bytes
     options = replanners[-1].options_between(2, 5.0)
     assert len(calls) == 1 and options[-1][0] == least.timeline.peak_bytes
+
+
+def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
+    """Where only storing a kept tensor lowers the checked peak (GPT-2 small at batch 12 with
+    int8: a kept matmul result at the peak; recomputing it would be placed right there again),
+    the descent from the least-peak plan stores it; each try is one check, within the count."""
+    replanners = []
+    original_fit = planner.Replanner.fit
+
+    def fit(self, *args, **kwargs):
+        replanners.append(self)
+        return original_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(planner.Replanner, "fit", fit)
+    torch.compiler.reset()
+    # (tanh outputs take no lossy form; offload, forced on on CPU, stores them exactly)
+    model, x = MLP(64, 3), torch.randn(512, 64)
+    with pytest.raises(memcompile.InfeasibleBudgetError):
+        torch.compile(model, backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5,
+                                                       offload=True))(x).sum().backward()
+    replanner = replanners[-1]
+    problem = replanner.analysis.problem
+    keep_all = replanner.keep_all
+    storable = [i for i in keep_all.solution.keep if problem.choices_of(i)]
+    assert storable
+    target = max(storable, key=lambda i: (problem.nbytes[i], -i))
+    base = keep_all.timeline.peak_bytes
+    checks = []
+
+    def fake_check(joint, analysis, solution, *args, **kwargs):
+        # Storing `target` lowers the peak; recomputing anything raises it.
+        checks.append(solution.decisions)
+        peak = base - (1000 if target in dict(solution.stored) else 0) + (10 if solution.recompute - keep_all.solution.recompute else 0)
+        return dataclasses.replace(keep_all, solution=solution, timeline=dataclasses.replace(keep_all.timeline, peak_bytes=peak))
+
+    monkeypatch.setattr(planner, "_rewrite_and_check", fake_check)
+    result = planner._descend_on_check(replanner.joint, replanner.analysis, replanner.num_fwd_outputs, False, keep_all)
+    assert target in dict(result.solution.stored)
+    assert result.timeline.peak_bytes == base - 1000
+    assert 0 < len(checks) <= planner._DESCENT_TRIES_WITH_STORE
+    # Without store choices only recomputations are tried, and none helps here.
+    checks.clear()
+    plain = dataclasses.replace(replanner.analysis, problem=dataclasses.replace(problem, store_choices=(), created_at=()))
+    result = planner._descend_on_check(replanner.joint, plain, replanner.num_fwd_outputs, False, keep_all)
+    assert result is keep_all
+    assert 0 < len(checks) <= planner._DESCENT_TRIES and all(not dict(d[2]) for d in checks)
