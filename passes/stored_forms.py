@@ -13,6 +13,7 @@ Error of the lossy formats, per element x of a group g (groups: trailing dims of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 import torch
 import torch.fx as fx
@@ -91,7 +92,54 @@ def exclusion_reason(node: fx.Node, fmt: str) -> str:
         return "bf16 only shrinks float32 tensors"
     if val.dim() == 0:
         return "scalar"
+    if _may_hold_non_finite(node):
+        # absmax is inf: every value divides to 0 or NaN (GPT-2's causal mask where(m, 0, -inf),
+        # stored int8, made every gradient NaN).
+        return "may hold inf/NaN (a constant inf or NaN it is computed from): absmax scaling breaks"
+    if _is_attention_bias(node):
+        # Added to the scores unscaled: absmax rounding beside large masked entries erases the
+        # small biases (ALiBi, relative positions).
+        return "attention mask or bias: absmax rounding erases its small entries"
     return error_sensitivity(node, fmt)
+
+
+_NON_FINITE_DEPTH = 8  # ops searched back from a value for a non-finite constant
+
+
+def _may_hold_non_finite(node: fx.Node) -> bool:
+    """A constant inf or NaN among the arguments of `node` or of the ops it is computed from
+    (up to _NON_FINITE_DEPTH ops back): `full(-inf)`, `where(mask, 0, -inf)`, `masked_fill`."""
+    stack, seen = [(node, 0)], set()
+    while stack:
+        n, depth = stack.pop()
+        if n in seen or depth > _NON_FINITE_DEPTH or n.op != "call_function":
+            continue
+        seen.add(n)
+        for a in list(n.args) + list(n.kwargs.values()):
+            for item in a if isinstance(a, (tuple, list)) else (a,):
+                if isinstance(item, float) and not math.isfinite(item):
+                    return True
+                if isinstance(item, fx.Node):
+                    stack.append((item, depth + 1))
+    return False
+
+
+def _is_attention_bias(node: fx.Node) -> bool:
+    """`node` (or a view of it) is read by an attention op other than as query, key or value."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            name = str(user.target)
+            if "scaled_dot_product" in name or "attention" in name:
+                if n not in user.args[:3]:
+                    return True
+            elif user.op == "call_function" and is_aliasing_op(user):
+                stack.append(user)
+    return False
 
 
 def error_sensitivity(node: fx.Node, fmt: str) -> str:

@@ -435,3 +435,36 @@ def test_offload_plans_every_architecture_exactly(arch, size, batch, dtype):
         for got, want in zip(step.grads, reference):
             assert torch.equal(got, want)
     assert offloaded > 0
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan"), torch.finfo(torch.float32).min])
+def test_attention_masks_and_non_finite_values_take_no_lossy_form(fill):
+    """GPT-2's causal mask `where(m, 0, -inf)` stored int8 made every gradient NaN (absmax inf).
+    A value computed from a constant inf/NaN, and any mask or bias an attention op reads, stay
+    exact; q/k/v themselves, and offload, are unaffected."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memcompile.passes.stored_forms import exclusion_reason
+
+    def step(q, k, v, keep):
+        bias = torch.where(keep, torch.zeros(()), torch.full((), fill))
+        scaled = torch.where(keep, q.sum(-1, keepdim=True), torch.full((), fill))  # not a mask: just non-finite
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(2, 4, 16, 16))
+        return out, scaled
+
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    keep = torch.rand(16, 16) > 0.3
+    graph = make_fx(step, tracing_mode="fake")(q, k, v, keep).graph
+    wheres = [n for n in graph.nodes if n.op == "call_function" and "where" in str(n.target)]
+    assert len(wheres) == 2
+    bias, scaled = wheres
+    for fmt in ("int8", "fp8", "bf16"):
+        assert exclusion_reason(bias, fmt), fmt
+        assert exclusion_reason(bias, "host") == ""
+    if math.isfinite(fill):
+        assert "attention mask or bias" in exclusion_reason(bias, "int8")
+        assert exclusion_reason(scaled, "int8") == ""
+    else:
+        assert "inf/NaN" in exclusion_reason(scaled, "int8")
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    assert all(exclusion_reason(p, "int8") == "" for p in placeholders[:3])  # q, k, v
