@@ -86,9 +86,9 @@ def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = 
 # analyze_scheduled_liveness). MEMCOMPILE_FUSION_CHECK=0 turns it off: every FX node's result then
 # counts as a buffer, in graph order (above every peak we measured, by up to 1.45x).
 FUSION_CHECK = os.environ.get("MEMCOMPILE_FUSION_CHECK", "1") != "0"
-# The solver's model counts a recomputed value Inductor inlines into its readers as no buffer
-# (passes/recompute_fusion.py); MEMCOMPILE_RECOMPUTE_FUSION=0 counts every recomputed value as
-# one (the behaviour before; for comparisons).
+# The solver's model counts values Inductor inlines when they are not saved as no buffer
+# (passes/recompute_fusion.py); MEMCOMPILE_RECOMPUTE_FUSION=0 counts each as one (the behaviour
+# before; for comparisons).
 RECOMPUTE_FUSION = os.environ.get("MEMCOMPILE_RECOMPUTE_FUSION", "1") != "0"
 
 
@@ -182,9 +182,10 @@ def _plan_joint_graph(
     device = options.device or step_device(joint_inputs)
     profile = profile_for(device)
     store = _store_options(options, device)
+    model_fusion = _runs_under_inductor(options) and FUSION_CHECK
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
-                                   fuse=_runs_under_inductor(options) and FUSION_CHECK)
-    if _runs_under_inductor(options) and FUSION_CHECK and RECOMPUTE_FUSION:
+                                   fuse=model_fusion)
+    if model_fusion and RECOMPUTE_FUSION:
         analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
     problem = analysis.problem
     budget = options.step_budget_bytes

@@ -1,14 +1,16 @@
-"""Which recomputed activations Inductor inlines into their readers in the backward.
+"""Which activations Inductor inlines into their readers when they are not saved.
 
 A candidate kept for the backward is a saved tensor: a buffer. Recomputed, it is an op of the
 backward graph, and Inductor may inline its pointwise body into the kernels that read it
 (passes/fusion.py): then it holds no memory of its own, and what it reads stays live until
 those kernels run. Charging such a copy as a stored tensor over-counts: GPT-2's tanh-GELU
 values recomputed together checked 1.2 MiB lower where the model said 2 MiB higher
-(benchmarks/least_peak_probe.py).
+(benchmarks/least_peak_probe.py). Likewise in the forward: a value nobody saves is inlined into
+its forward readers, so its forward bytes belong to the decision to save it, not to the fixed
+bytes.
 
-The fates are predicted once, on the backward of the plan that recomputes everything it may
-(the rewrite itself, then passes/fusion.py on it). That context gives each recomputed copy the
+The fates are predicted once, on the two graphs of the plan that recomputes everything it may
+(the rewrite itself, then passes/fusion.py on each). That context gives each recomputed copy the
 most readers and its body the most inlined inputs, the two things that make Inductor store a
 body (several readers with a heavy op, too many reads): a copy inlined there is inlined in
 plans that recompute less too, to the extent these rules decide it. The exact check of each
