@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import time
 from pathlib import Path
 
 import networkx as nx
@@ -773,3 +774,24 @@ def test_tight_budgets_on_random_layered_dags_give_valid_schedules_above_the_bou
         assert result.status == "optimal"
     if result.status == "optimal":
         assert result.gap == 0.0
+
+
+def test_finer_grid_finds_a_plan_where_one_stage_per_node_finds_none() -> None:
+    # Found by a random search: at budget 17 the greedy on one stage per node gets stuck (it holds
+    # a recomputation chain at once), the event-level fallback costs 44, and two substeps per
+    # node give a plan CP-SAT proves optimal at 40.
+    from unittest import mock
+
+    from memcompile.solver import remat as R
+
+    preds = ((), (0,), (0, 1), (0, 1, 2), (0, 1), (1, 4), (2, 3, 5), (0, 2), (3, 4, 5), (3,), (2, 8, 9), (8,))
+    cost = (3, 3, 1, 2, 2, 3, 5, 2, 3, 3, 4, 3)
+    size = (5, 1, 2, 2, 1, 8, 1, 5, 4, 5, 2, 3)
+    p = RematProblem(tuple(f"n{i}" for i in range(12)), preds, cost, size)
+    assert R._grid_with_greedy_plan(p, 17, None, None, time.monotonic() + 5)[1] is None
+    with mock.patch.object(R, "_FINER_SUBSTEPS", ()):
+        by_events = solve_remat(p, 17, time_limit_s=5)
+    result = solve_remat(p, 17, time_limit_s=5)
+    assert replay(p, result.schedule) == (result.peak, result.cost) and result.peak <= 17
+    assert by_events.status == "heuristic_events" and result.status == "optimal"
+    assert result.cost == 40 < by_events.cost
