@@ -106,9 +106,14 @@ def extract_forward_backward(
     return _raise_getitems(fw), _raise_getitems(bw)
 
 
-def stock_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-    """PyTorch's own min-cut partitioner (used for graphs we do not plan, e.g. no backward)."""
-    return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: float | None = None, **kwargs: Any):
+    """PyTorch's own min-cut partitioner (used for graphs we do not plan, e.g. no backward, and
+    as candidate plans); `memory_budget`: its activation_memory_budget fraction (None: the
+    configured one, 1.0 by default)."""
+    if memory_budget is None:
+        return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with _functorch_config.patch(activation_memory_budget=memory_budget):
+        return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def linear_ops() -> frozenset:
