@@ -216,6 +216,15 @@ def profiler_allocation_deltas(prof: Any) -> list[tuple[int, int]]:
     return deltas
 
 
+def inductor_lays_out_cpu_convolutions_channels_last() -> bool:
+    """Whether Inductor runs CPU convolutions channels-last (torch/_inductor/graph.py
+    decide_layout_opt: always when oneDNN is available, unless layout optimization is off)."""
+    if not _inductor_config.layout_optimization:
+        return False
+    return bool(_inductor_config.force_layout_optimization
+                or (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()))
+
+
 @functools.lru_cache(maxsize=1)
 def inductor_lowering_facts() -> tuple[frozenset, frozenset, frozenset]:
     """(ops Inductor lowers itself, ops it runs as fallback kernels, ops whose inputs it realizes)

@@ -258,7 +258,7 @@ def analyze_joint_graph(
     for n in forward_nodes + backward_nodes:
         unclaimed = n in fw_set and n not in required_fw  # runs in forward only if kept
         if not unclaimed and n not in inlined:  # (then its transients are in the liveness check, not here)
-            add(transient_bytes(n), step[n], step[n], by_node=True)
+            add(transient_bytes(n, inductor=fuse), step[n], step[n], by_node=True)
         if root[n] is not n or n in inlined:
             continue  # aliases own no storage; inlined bodies own none either
         if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):

@@ -7,6 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from memcompile import _torch_private as tp
 from memcompile import loss_ops
 from memcompile.sizes import size_value
 
@@ -133,20 +134,100 @@ def layout_copy_bytes(node: fx.Node) -> int:
     return total
 
 
-# Scratch that library kernels allocate while they run, fitted to the CPU allocator's events
-# (torch 2.13, oneDNN) over batch 2-16, channels 4-64, sizes 8-32, kernels 1 and 3, rounded up:
-# convolution forward ~2x its output (blocked-layout copies), backward ~4x its input plus a fixed
-# ~29 KiB. Flash attention: counted from its kernels where they are read (_attention_workspace),
-# else ~0.5x what it reads and writes (backward), ~1/16 plus 16 KiB (forward).
+# Scratch that library kernels allocate while they run. Convolutions on CPU (float32: oneDNN):
+# see _conv_workspace_cpu. On other devices (cuDNN; not measured) the old fit to CPU allocator
+# events stands: forward ~2x its output, backward ~4x its input plus a fixed ~29 KiB. Flash
+# attention: counted from its kernels where they are read (_attention_workspace), else ~0.5x what
+# it reads and writes (backward), ~1/16 plus 16 KiB (forward).
 _KIB = 1024
+# oneDNN's blocked layouts (nChw16c, OIhw16i16o) pad channels to 16 on AVX-512 CPUs; AVX2 uses
+# blocks of 8, counted as 16 here (up to 2x over for layers under 16 channels). The old fit
+# (backward 4x the input) is what 8-channel blocks give a 4-channel layer: on AVX-512 the same
+# layer's blocked copies are 4x each, and the backward holds two of them at once.
+_CONV_CHANNEL_BLOCK = 16
 
 
-def _conv_workspace_onednn(node: fx.Node) -> int:
+def _conv_workspace_guess(node: fx.Node) -> int:
     values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2]]
     if "backward" in str(node.target):
         inp = values[1]
         return 4 * tensor_nbytes(inp) + 32 * _KIB
     return 2 * tensor_nbytes(node.meta.get("val")) + 16 * _KIB
+
+
+def _conv_workspace_cpu(node: fx.Node, channels_last: bool = False) -> int:
+    """What oneDNN's convolution allocates on CPU besides the op's results (torch 2.13, float32,
+    allocator events over batch 2-16, channels 3-64, sizes 8-32, kernels 1 and 3, strides 1
+    and 2, 1 and 2 threads: never under, tests/test_conv_workspace.py). Channels padded to the
+    block (`ci`, `co`); `src`, `dst`, `wei`: blocked copies of input, output and weights.
+    Channels-last tensors (`channels_last`: Inductor's layout on CPU, or the input's strides) are
+    read and written as they are: only the weights are blocked, forward one copy, backward one
+    per thread plus the blocked weight gradient. Contiguous (NCHW) ones are copied to blocks:
+    - forward: src (not for a thin input read by a direct kernel: < 16 channels, kernel > 1),
+      wei, bias and dst at once; then dst and the plain result.
+    - backward, input gradient: blocked grad_output, wei and the blocked input gradient at once;
+      then that and the plain input gradient; with strides > 1 two more input-sized copies.
+    - backward, weight gradient: the input gradient (already made), src, blocked grad_output and
+      one wei + bias per thread (reduced at the end); or blocked and plain weight gradients.
+    Strided 1x1 kernels copy the strided input per thread first (`rtus`); small fixed scratchpads
+    on top (per thread in the backward: ~37 KiB seen with strides > 1, up to ~20 KiB with
+    2 threads without). Grouped, dilated and transposed convolutions were not measured (the
+    same count is assumed)."""
+    backward = "backward" in str(node.target)
+    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    if backward:
+        out, inp, weight = args[:3]
+        stride = args[4]
+        mask = args[10] if len(args) > 10 else (True, True, True)
+    else:
+        inp, weight = args[:2]
+        out = node.meta.get("val")
+        stride = args[3] if len(args) > 3 else (1,)
+    itemsize = inp.dtype.itemsize
+    batch, c_in, c_out = (size_value(d) for d in (inp.shape[0], inp.shape[1], out.shape[1]))
+    space_in = size_value(inp.numel()) // max(1, batch * c_in)
+    space_out = size_value(out.numel()) // max(1, batch * c_out)
+    kernel = 1
+    for k in weight.shape[2:]:
+        kernel *= size_value(k)
+    ci, co = (_round_up(c, _CONV_CHANNEL_BLOCK) for c in (c_in, c_out))
+    src, dst = batch * ci * space_in * itemsize, batch * co * space_out * itemsize
+    wei = _round_up(size_value(weight.shape[0]), _CONV_CHANNEL_BLOCK) * _round_up(
+        size_value(weight.shape[1]), _CONV_CHANNEL_BLOCK) * kernel * itemsize
+    bias = co * itemsize
+    threads = torch.get_num_threads()
+    strided = any(size_value(s) > 1 for s in stride)
+    if channels_last or _is_channels_last(inp):
+        if not backward:
+            return wei + bias + threads * 16 * _KIB
+        return (1 + threads) * (wei + bias) + threads * (96 if strided else 32) * _KIB
+    rtus = min(batch, threads) * max(ci, co) * min(space_in, space_out) * itemsize if strided else 0
+    if not backward:
+        result = tensor_nbytes(out)
+        thin = c_in < _CONV_CHANNEL_BLOCK and kernel > 1
+        return max(rtus + (0 if thin else src) + wei + bias + dst - result, dst) + 16 * _KIB
+    results = tensor_nbytes(node.meta.get("val"))  # the gradients asked for (None where masked)
+    grad_input = tensor_nbytes(inp) if mask[0] else 0
+    blocked_grad = max(src, grad_input)
+    data = max(dst + wei, grad_input) + blocked_grad + (2 * grad_input if strided else 0) if mask[0] else 0
+    grads = results - grad_input
+    weights = grad_input + max(rtus + src + dst + threads * (wei + bias), wei + bias + grads) if (
+        mask[1] or mask[2]) else 0
+    scratchpads = threads * (56 if strided else 16) * _KIB
+    return max(0, max(data, weights) - results) + scratchpads
+
+
+def _is_channels_last(value: torch.Tensor) -> bool:
+    """A 4-d/5-d tensor with channels innermost, and not as well contiguous (one channel, one
+    position: then oneDNN may block it). From planning sizes: no guards on symbolic strides."""
+    if value.dim() not in (4, 5):
+        return False
+    sizes = [size_value(d) for d in value.shape]
+    strides = [size_value(d) for d in value.stride()]
+    positions = 1
+    for d in sizes[2:]:
+        positions *= d
+    return sizes[1] > 1 and positions > 1 and strides[1] == 1 and strides[-1] == sizes[1]
 
 
 def _im2col_bytes(node: fx.Node) -> int:
@@ -170,8 +251,9 @@ def _im2col_bytes(node: fx.Node) -> int:
     return int(inp.shape[0]) * int(inp.shape[1]) * kernel * positions * inp.dtype.itemsize
 
 
-def kernel_workspace_bytes(node: fx.Node) -> int:
-    """Bytes a library kernel allocates and frees inside itself while `node` runs."""
+def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
+    """Bytes a library kernel allocates and frees inside itself while `node` runs. `inductor`:
+    the graph runs as Inductor's code, which lays CPU convolutions out channels-last."""
     if node.op != "call_function":
         return 0
     if node.target in (loss_ops.FORWARD, loss_ops.BACKWARD):
@@ -188,15 +270,20 @@ def kernel_workspace_bytes(node: fx.Node) -> int:
     if "convolution" not in name:
         return 0
     value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-    onednn = isinstance(value, torch.Tensor) and (value.device.type != "cpu" or value.dtype == torch.float32)
-    # bf16/fp16 convolutions on CPU took the im2col path on our machine (no native bf16 ISA):
-    # columns of 9x the output for a 3x3 kernel; with oneDNN's bf16 kernels it would be less.
-    low_precision_cpu = isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in (
-        torch.bfloat16, torch.float16)
+    if not isinstance(value, torch.Tensor):
+        return 4 * sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
     try:
-        if low_precision_cpu:
-            return max(_conv_workspace_onednn(node), _im2col_bytes(node) + 32 * _KIB)
-        return _conv_workspace_onednn(node) if onednn else _im2col_bytes(node) + 32 * _KIB
+        if value.device.type != "cpu":
+            return _conv_workspace_guess(node)
+        # bf16/fp16 convolutions on CPU took the im2col path on our machine (no native bf16
+        # ISA): columns of 9x the output for a 3x3 kernel; with oneDNN's bf16 kernels it would be
+        # less. float64 takes it always (no oneDNN kernel).
+        channels_last = inductor and tp.inductor_lays_out_cpu_convolutions_channels_last()
+        if value.dtype in (torch.bfloat16, torch.float16):
+            return max(_conv_workspace_cpu(node, channels_last), _im2col_bytes(node) + 32 * _KIB)
+        if value.dtype == torch.float32:
+            return _conv_workspace_cpu(node, channels_last)
+        return _im2col_bytes(node) + 32 * _KIB
     except (ValueError, IndexError, TypeError, AttributeError):  # unexpected signature: assume a lot
         return 4 * sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
 
@@ -294,10 +381,10 @@ def promotion_copy_bytes(node: fx.Node) -> int:
     return sum(t.numel() * common.itemsize for t in tensors if t.dtype != common and isinstance(t.numel(), int))
 
 
-def transient_bytes(node: fx.Node) -> int:
+def transient_bytes(node: fx.Node, inductor: bool = False) -> int:
     """Memory `node` needs only while it runs: kernel workspaces, dense copies of views and
-    converted copies of mixed-dtype inputs."""
-    return kernel_workspace_bytes(node) + layout_copy_bytes(node) + promotion_copy_bytes(node)
+    converted copies of mixed-dtype inputs (`inductor`: see kernel_workspace_bytes)."""
+    return kernel_workspace_bytes(node, inductor) + layout_copy_bytes(node) + promotion_copy_bytes(node)
 
 
 # -- what the user and torch say about a node --------------------------------------------------

@@ -164,7 +164,8 @@ def analyze_liveness(
 
     def record(phase: str, node: fx.Node, fused: _Fusion) -> None:
         # An inlined body runs inside its consumer's kernel: no kernel, no transients of its own.
-        scratch = OP_SCRATCH_BYTES + (0 if node in fused.inlined else transient_bytes(node))
+        # With fusion modelled the graph is Inductor's (its layout of convolutions, too).
+        scratch = OP_SCRATCH_BYTES + (0 if node in fused.inlined else transient_bytes(node, fused.enabled))
         _record_step(steps, peak, live, phase, node.name, scratch)
 
     # ---- forward
@@ -433,7 +434,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             # strides it accepts, realizing any copy as a buffer of its schedule (counted there);
             # attention's backward given strided views measured 32 KiB of scratch, not copies.
             origin = _node_named(graph, kernel.extern_origin)
-            transient = kernel_workspace_bytes(origin) + promotion_copy_bytes(origin) if origin is not None else 0
+            if origin is not None:
+                transient = kernel_workspace_bytes(origin, inductor=True) + promotion_copy_bytes(origin)
         _record_step(steps, peak, live, phase, kernel.name, OP_SCRATCH_BYTES + transient)
 
     def walk(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, prefix: str,
