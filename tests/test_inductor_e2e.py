@@ -80,3 +80,26 @@ def test_the_check_counts_what_inductors_wrapper_holds_to_the_kilobyte(monkeypat
     model, x = build("attention", 32, 2, 16)
     plan, peak, _ = _run(model, x, "100GB")
     assert peak <= plan.predicted_peak_bytes <= peak + 2048, (plan.predicted_peak_bytes, peak)
+
+
+def test_a_stock_partition_that_fits_the_budget_is_used_before_solving(monkeypatch):
+    """Just below the keep-all peak, PyTorch's own min-cut partition (at the largest
+    activation_memory_budget fraction whose checked peak fits) is the plan: measured within the
+    budget and its prediction, gradients as eager. Turned off, the solver plans instead."""
+    from memcompile import planner
+
+    model, x = build("attention", 32, 2, 16)
+    expected = _eager_grads(model, x)
+    free_plan, _, _ = _run(model, x, "100GB")
+    budget = free_plan.predicted_peak_before_bytes - 1  # keep-all no longer fits
+    plan, peak, grads = _run(model, x, budget)
+    assert plan.solver_status.startswith("stock_partition (activation_memory_budget=")
+    fraction = float(plan.solver_status.split("=")[1].rstrip(")"))
+    assert fraction in planner.STOCK_FRACTIONS
+    assert peak <= plan.predicted_peak_bytes <= budget
+    for a, b in zip(expected, grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(planner, "STOCK_CANDIDATES", False)
+    plan, peak, grads = _run(model, x, budget)
+    assert not plan.solver_status.startswith("stock_partition")
+    assert peak <= plan.predicted_peak_bytes <= budget
