@@ -216,6 +216,29 @@ def profiler_allocation_deltas(prof: Any) -> list[tuple[int, int]]:
     return deltas
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_isa() -> tuple[bool, bool, bool]:
+    """(AMX tiles, AMX-FP16, AVX-512) on this CPU; all True where torch no longer says."""
+    try:
+        return (bool(torch.cpu._is_amx_tile_supported()), bool(torch.cpu._is_amx_fp16_supported()),
+                bool(torch.cpu._is_avx512_supported()))
+    except AttributeError:
+        return True, True, True
+
+
+def cpu_flash_attention_isa(dtype: torch.dtype) -> tuple[bool, bool]:
+    """(packs, onednn_gemm) for the CPU flash attention kernels in `dtype` on this CPU.
+    packs: the forward repacks K and V for AMX brgemm (bf16 with AMX tiles, fp16 with AMX-FP16).
+    onednn_gemm: its bf16/fp16 GEMMs go to oneDNN (cpublas -> mkldnn_bf16/fp16_gemm), whose
+    scratchpads come from the CPU allocator; that needs AVX-512 (fp16: AVX512-FP16, which torch
+    does not expose: AVX-512 is taken for it, the larger count)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, False
+    amx_tile, amx_fp16, avx512 = _cpu_isa()
+    onednn = avx512 and torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
+    return (amx_tile if dtype == torch.bfloat16 else amx_fp16), onednn
+
+
 def inductor_lays_out_cpu_convolutions_channels_last() -> bool:
     """Whether Inductor runs CPU convolutions channels-last (torch/_inductor/graph.py
     decide_layout_opt: always when oneDNN is available, unless layout optimization is off)."""

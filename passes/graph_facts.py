@@ -300,17 +300,42 @@ def _cpu_attention_blocks(seq: int, kv_seq: int) -> tuple[int, int]:
     return min(seq, q_split), min(kv_seq, 512)
 
 
+def _onednn_gemm_scratch(dtype: torch.dtype, q_rows: int, kv_rows: int, head_dim: int) -> int:
+    """Scratchpad oneDNN allocates (through the CPU allocator) per thread for the largest of the
+    bf16/fp16 flash attention backward's dV/dK (kv_rows x head_dim over q_rows) and dQ (q_rows x
+    head_dim over kv_rows) GEMMs; one GEMM's at a time. Not read from oneDNN's source: bounded
+    from allocator events (torch 2.13, 1 and 2 threads, ~490 shapes on a Xeon with AMX-BF16
+    and AVX512-FP16). bf16: a bf16 copy of the dV/dK GEMM's left operand (its rows blocked by up
+    to 256, depth padded to 32) plus 128 B per depth row, or of the dQ GEMM's right operand
+    (columns padded to 32); fp16 converts to float32: the dQ GEMM's operands at 64-column
+    blocks. The max with 3 B (bf16) per operand element or 12 B per element of the largest
+    operand (fp16: three float32 copies) covers the shapes those miss; +16 KiB. Never under on
+    those shapes; over by 1.2x to 5.4x on the scratchpad alone (mean 2.2x bf16, 2.6x fp16), 1.1x
+    to 2.8x on the op's whole scratch."""
+    operands = (q_rows * kv_rows, kv_rows * head_dim, q_rows * head_dim)
+    if dtype == torch.bfloat16:
+        depth = max(q_rows, 32)
+        blocked = max(2 * min(_round_up(kv_rows, 32), 256) * depth + 128 * depth,
+                      2 * kv_rows * _round_up(head_dim, 32))
+        return max(blocked, 3 * sum(operands)) + 16 * _KIB
+    blocked = 4 * _round_up(kv_rows, 64) * (q_rows + 128) + 128 * q_rows
+    return max(blocked, 12 * max(operands)) + 16 * _KIB
+
+
 def _attention_workspace(node: fx.Node, name: str) -> int | None:
     """What the fused attention kernels allocate besides their results (query: B, H, S, D).
 
     CPU flash attention (FlashAttentionKernel.cpp), per thread, in the accumulation type
     (float32 for float32/bf16/fp16):
     - forward: the scores of one (q, kv) block, the row maxima and sums, and one q block of the
-      output; bf16/fp16 keep the block's scores again in their own type (fp16 may take oneDNN's
-      packed path, where the CPU supports it, which rounds the block up to 64 columns: assumed);
+      output; bf16/fp16 keep the block's scores again in their own type; with AMX (bf16: AMX
+      tiles, fp16: AMX-FP16) and 64+ query and key rows, packed copies of the whole K and V
+      and a per-thread key block for brgemm (fp16: also the older kernel's 64-column padding,
+      not measured);
     - backward: the scores and their gradient for one block (again in bf16/fp16 for those), a
       row of sums per q block; plus a contiguous copy of grad_out when its (B, S, H, D) view is
-      not contiguous (the kernel reads it in that layout).
+      not contiguous (the kernel reads it in that layout); bf16/fp16 on AVX-512 CPUs: oneDNN's
+      GEMM scratchpads (_onednn_gemm_scratch).
     Measured on GPT-2 small: 31 KiB in the backward, where half the bytes moved said 1.2 MiB.
     CUDA flash backward (FlashAttention-2's mha_bwd): a float32 accumulator of dQ, rows padded
     to 128 and the head dimension to 32, and the softmax row sums; an H200 allocator snapshot
@@ -341,14 +366,31 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
     q_split, kv_split = _cpu_attention_blocks(seq, kv_seq)
     accum = 8 if query.dtype == torch.float64 else 4
     reduced = query.dtype in (torch.bfloat16, torch.float16)
+    itemsize = query.itemsize
     threads = torch.get_num_threads()
+    packs, onednn_gemm = tp.cpu_flash_attention_isa(query.dtype)
     if not backward:
-        packed = query.dtype == torch.float16
-        kv_cols, width = (_round_up(kv_split, 64), _round_up(head_dim, 64)) if packed else (kv_split, head_dim)
+        # AMX repacks K and V (allocator events: bf16 from 64 query and 64 key rows on, at any
+        # head count and head dimension; below either, never)
+        pack = packs and seq >= 64 and kv_seq >= 64
+        # fp16 packs only with AMX-FP16 (not measured): the older kernel's 64-column padding kept
+        padded = pack and query.dtype == torch.float16
+        kv_cols, width = (_round_up(kv_split, 64), _round_up(head_dim, 64)) if padded else (kv_split, head_dim)
         per_thread = (q_split * kv_cols + 2 * q_split + q_split * width) * accum
-        per_thread += q_split * kv_cols * query.itemsize if reduced else 0
-        return threads * per_thread + _KIB
-    per_thread = 2 * q_split * kv_split * (accum + (query.itemsize if reduced else 0)) + q_split * accum
+        if reduced:  # the block's scores again in bf16/fp16 (key columns rounded up to even when packed)
+            per_thread += q_split * (_round_up(kv_cols, 2) if pack else kv_cols) * itemsize
+        total = threads * per_thread
+        if pack:  # K as it is, V with each key block rounded up to even rows (VNNI pairs), and a
+            # per-thread staging copy of one key block
+            even_d = _round_up(head_dim, 2)
+            v_rows = (kv_seq - 1) // kv_split * _round_up(kv_split, 2) + _round_up((kv_seq - 1) % kv_split + 1, 2)
+            total += batch * heads * (kv_seq * even_d + v_rows * _round_up(width, 2)) * itemsize
+            total += threads * _round_up(kv_split, 2) * even_d * itemsize
+        return total + _KIB
+    per_thread = 2 * q_split * kv_split * (accum + (itemsize if reduced else 0)) + q_split * accum
+    # cpublas hands bf16/fp16 GEMMs to oneDNN above 16^3 multiply-adds (both GEMMs: the block's)
+    if reduced and onednn_gemm and q_split * kv_split * head_dim > 16 ** 3:
+        per_thread += _onednn_gemm_scratch(query.dtype, q_split, kv_split, head_dim)
     try:
         contiguous = bool(grad_out.transpose(1, 2).is_contiguous())
     except Exception:  # noqa: BLE001 - symbolic strides: assume the copy

@@ -12,10 +12,13 @@ from memcompile.passes.graph_facts import kernel_workspace_bytes
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SLACK = 4096  # what counted may exceed measured by (the count keeps 1 KiB of margin)
+# bf16/fp16 backwards on AVX-512 CPUs also hold oneDNN's GEMM scratchpads, bounded (not read
+# from oneDNN): measured 1.1x to 2.8x under what is counted
+ONEDNN_RATIO, ONEDNN_SLACK = 3, 32 * 1024
 
 shapes = dict(batch=st.integers(1, 3), heads=st.integers(1, 6),
-              seq=st.sampled_from([8, 32, 100, 191, 192, 300, 767, 768]), kv_seq=st.sampled_from([None, 24, 600]),
-              head_dim=st.sampled_from([16, 32, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+              seq=st.sampled_from([8, 32, 63, 64, 100, 191, 192, 300, 767, 768]), kv_seq=st.sampled_from([None, 24, 63, 64, 600]),
+              head_dim=st.sampled_from([16, 32, 64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
               threads=st.sampled_from([1, 2]), mask=st.sampled_from([None, "batch", "scores"]))
 
 
@@ -55,7 +58,9 @@ def test_attention_backward_scratch_is_counted_to_the_kilobyte(batch, heads, seq
     block sizes (q blocks of 32 / 64 / 256 rows switch at 192 and 768, kv blocks of 512), dtypes
     (bf16 keeps a second, reduced copy of the blocks), threads (one block pair each) and grad_out
     layouts (a (B, S, H, D)-contiguous one is read as it is; another is copied first). Half the
-    bytes moved, the old count, said 1.2 MiB where a GPT-2 layer used 31 KiB."""
+    bytes moved, the old count, said 1.2 MiB where a GPT-2 layer used 31 KiB. bf16/fp16 on an
+    AVX-512 CPU add oneDNN's GEMM scratchpads (13,220 B measured where 3,360 were counted before
+    they were), bounded rather than exact: within 3x + 32 KiB."""
     def check():
         q, k, v, m = _qkv(batch, heads, seq, kv_seq, head_dim, dtype, mask)
         out, logsumexp = FORWARD(q, k, v, attn_mask=m)[:2]
@@ -69,7 +74,11 @@ def test_attention_backward_scratch_is_counted_to_the_kilobyte(batch, heads, seq
 
         counted, rise = _counted_and_measured(backward, grad_out, q, k, v, out, logsumexp, m)
         scratch = rise - q.nbytes - k.nbytes - v.nbytes  # the three gradients are the op's results
-        assert scratch <= counted <= scratch + SLACK, (scratch, counted)
+        assert scratch <= counted, (scratch, counted)
+        if dtype == torch.float32:
+            assert counted <= scratch + SLACK, (scratch, counted)
+        else:
+            assert counted <= ONEDNN_RATIO * scratch + ONEDNN_SLACK, (scratch, counted)
 
     _with_threads(threads, check)
 
@@ -78,9 +87,11 @@ def test_attention_backward_scratch_is_counted_to_the_kilobyte(batch, heads, seq
 @given(**shapes, causal=st.booleans())
 def test_attention_forward_scratch_is_counted_to_the_kilobyte(batch, heads, seq, kv_seq, head_dim, dtype, threads,
                                                              mask, causal):
-    """The forward's per-thread blocks (scores, row maxima and sums, one output block; bf16
-    keeps the scores again), against the allocator's events. The old count, 1/16 of the bytes
-    moved plus 16 KiB, said 17 KiB for the 0.8 KiB the small attention stack's forward used."""
+    """The forward's per-thread blocks (scores, row maxima and sums, one output block; bf16/fp16
+    keep the scores again; with AMX, packed copies of K and V: 31,104 B measured where 22,528
+    were counted without them), against the allocator's events. The old count, 1/16 of the
+    bytes moved plus 16 KiB, said 17 KiB for the 0.8 KiB the small attention stack's forward
+    used."""
     def check():
         q, k, v, m = _qkv(batch, heads, seq, kv_seq, head_dim, dtype, mask)
         if causal and kv_seq is not None:
