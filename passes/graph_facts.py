@@ -251,6 +251,31 @@ def _im2col_bytes(node: fx.Node) -> int:
     return int(inp.shape[0]) * int(inp.shape[1]) * kernel * positions * inp.dtype.itemsize
 
 
+_LOW_PRECISION_GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                        torch.ops.aten.baddbmm.default}
+# Per thread, oneDNN's float16/bfloat16 GEMMs on CPU allocate scratch (converted or packed blocks)
+# from the CPU allocator, sized by one GEMM (not the batch) and bounded by its blocking. Allocator
+# events, torch 2.13, Xeon with AVX512-FP16 and AMX-BF16, 1 and 2 threads (exactly per thread),
+# m, k, n from 16 to 4096: float16 up to 6.7 B per element of A, B and C (16x768x16) and 1.7 MB
+# (1024^3); bfloat16 up to 2.7 B (40x16x48) and 1.05 MB. Counted with margin: c x elements,
+# capped, plus 8 KiB. float32 allocated none.
+_GEMM_SCRATCH_PER_ELEMENT = {torch.float16: 7, torch.bfloat16: 5}
+_GEMM_SCRATCH_CAP = {torch.float16: 4 * 1024 * _KIB, torch.bfloat16: 2 * 1024 * _KIB}
+
+
+def _low_precision_gemm_scratch(node: fx.Node) -> int:
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or out.dtype not in _GEMM_SCRATCH_PER_ELEMENT:
+        return 0
+    a, b = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in node.args[-2:]) if len(
+        node.args) >= 2 else (None, None)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return 0
+    m, k, n = size_value(a.shape[-2]), size_value(a.shape[-1]), size_value(b.shape[-1])
+    per_thread = min(_GEMM_SCRATCH_PER_ELEMENT[out.dtype] * (m * k + k * n + m * n), _GEMM_SCRATCH_CAP[out.dtype])
+    return torch.get_num_threads() * (per_thread + 8 * _KIB)
+
+
 def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
     """Bytes a library kernel allocates and frees inside itself while `node` runs. `inductor`:
     the graph runs as Inductor's code, which lays CPU convolutions out channels-last."""
@@ -267,6 +292,8 @@ def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
         moved = sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
         moved += tensor_nbytes(node.meta.get("val"))
         return moved // 2 if "backward" in name else moved // 16 + 16 * _KIB
+    if node.target in _LOW_PRECISION_GEMMS:
+        return _low_precision_gemm_scratch(node)
     if "convolution" not in name:
         return 0
     value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
