@@ -248,6 +248,27 @@ def inductor_lays_out_cpu_convolutions_channels_last() -> bool:
                 or (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()))
 
 
+def onednn_runs_cpu_matmuls_in(dtype: torch.dtype) -> bool:
+    """Whether ATen sends CPU bf16/float16 matmuls (mm, addmm) to oneDNN: oneDNN built in and
+    enabled, and the CPU with native support for the dtype (ATen's mkldnn_bf16_device_check /
+    mkldnn_fp16_device_check: AVX-512 BF16 or AMX for bf16, AVX-512 FP16 or AMX-FP16 for float16).
+    There, oneDNN's brgemm allocates a scratchpad (packed copies of the operands) through the
+    CPU allocator; ATen also skips oneDNN for products m*k*n <= 16**3, which callers may ignore
+    (an over-count)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    return _onednn_supports(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_supports(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
 @functools.lru_cache(maxsize=1)
 def inductor_lowering_facts() -> tuple[frozenset, frozenset, frozenset]:
     """(ops Inductor lowers itself, ops it runs as fallback kernels, ops whose inputs it realizes)

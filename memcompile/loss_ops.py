@@ -9,7 +9,9 @@ Why custom ops (torch.library) and not the same ops in the graph: Inductor fuses
 pointwise kernels horizontally (they read the same targets and the same incoming gradient), which
 brings every chunk's logits back to life at once. An op is opaque to fusion: its chunks run one at
 a time, and the memory it needs while it runs is `workspace_bytes`: never less than the
-allocator's events, at most 8 KiB more in float32 (tests/test_loss_head.py).
+allocator's events, at most 8 KiB more in float32 (tests/test_loss_head.py). On CPUs with native
+bf16 / float16 (AVX-512 BF16, AMX, AVX-512 FP16), the low precision head matmul runs in oneDNN,
+whose scratchpad (packed operand copies, per thread) is counted by `_onednn_matmul_scratch_bytes`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import contextlib
 from typing import Optional
 
 import torch
+
+from memcompile import _torch_private as tp
 
 
 def _without_autocast(device: torch.device):
@@ -120,6 +124,33 @@ FORWARD = torch.ops.memcompile.chunked_linear_cross_entropy.default
 BACKWARD = torch.ops.memcompile.chunked_linear_cross_entropy_backward.default
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _onednn_matmul_scratch_bytes(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
+    """An upper bound on the scratchpad oneDNN allocates (and frees) inside one CPU bf16/float16
+    (m x k) @ (k x n) matmul; 0 where ATen does not use oneDNN for it (other devices, float32,
+    CPUs without native support, oneDNN disabled).
+
+    Measured on an Intel Xeon with AMX (torch 2.13, oneDNN 3.12; m 9..600, k 8..1024, n 50..5000,
+    1 and 2 threads): bf16 packs B (k padded to 32, n to 64, 2 bytes each) in VNNI layout, in full
+    per thread for some shapes (e.g. 33 x 8 x 5000: 320 KiB per thread), plus a few KiB for A and the
+    float32 accumulators; float16 (AVX-512 FP16, no AMX-FP16) copies A blocks (up to ~6 bytes per
+    element of A) and B blocks. The bound: per thread, B in full (2 bytes an element for bf16, 4 for
+    float16), 8 bytes an element of A, padded to 64, and 16 KiB; measured at most 1/2.1 of it in bf16,
+    1/1.3 in float16. oneDNN's blocking heuristic is not modelled: for large heads it packs B block
+    by block and this over-counts."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if not tp.onednn_runs_cpu_matmuls_in(dtype):
+        return 0
+    k_pad, n_pad, m_pad = _round_up(k, 64), _round_up(n, 64), _round_up(m, 64)
+    b_bytes = 2 if dtype == torch.bfloat16 else 4
+    per_thread = b_bytes * k_pad * n_pad + 8 * m_pad * k_pad + 16384
+    return torch.get_num_threads() * per_thread
+
+
 def workspace_bytes(op: object, args: tuple) -> int:
     """Bytes the op allocates and frees inside itself, from its arguments' shapes and dtypes
     (fake tensors at planning time); 0 for other ops."""
@@ -131,7 +162,10 @@ def workspace_bytes(op: object, args: tuple) -> int:
     vocab = weight.shape[0]
     chunk = min(rows, tokens)
     upcast = weight.dtype != torch.float32
-    logits = chunk * vocab * 4 + (chunk * vocab * weight.element_size() if upcast else 0)
+    # the float32 logits, and for a low precision head first its matmul result with, while the
+    # matmul runs (freed before the .float() copy), oneDNN's scratchpad
+    onednn = _onednn_matmul_scratch_bytes(chunk, hidden, vocab, weight.dtype, h.device)
+    logits = (chunk * vocab * weight.element_size() + max(chunk * vocab * 4, onednn)) if upcast else chunk * vocab * 4
     if op is FORWARD:
         # logits (and its low precision matmul result), targets mask, gathered index and picks
         return logits + chunk * 32 + 128
