@@ -128,6 +128,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# Per-thread ceiling on oneDNN's CPU GEMM scratch: blocked packing grows with k (~850 B per k
+# measured at 1024 x 4096 x 32000 bf16, ~1.7 KB at 1024^3 fp16), whole-operand packing only for
+# small operands. 8 MiB + 2 KiB x k per thread, above everything measured (torch 2.13).
+ONEDNN_SCRATCH_CAP_BYTES = 8 * 1024 * 1024
+
+
 def _onednn_matmul_scratch_bytes(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
     """An upper bound on the scratchpad oneDNN allocates (and frees) inside one CPU bf16/float16
     (m x k) @ (k x n) matmul; 0 where ATen does not use oneDNN for it (other devices, float32,
@@ -148,7 +154,9 @@ def _onednn_matmul_scratch_bytes(m: int, k: int, n: int, dtype: torch.dtype, dev
     k_pad, n_pad, m_pad = _round_up(k, 64), _round_up(n, 64), _round_up(m, 64)
     b_bytes = 2 if dtype == torch.bfloat16 else 4
     per_thread = b_bytes * k_pad * n_pad + 8 * m_pad * k_pad + 16384
-    return torch.get_num_threads() * per_thread
+    # Large heads are packed block by block (bf16 1024 x 4096 x 32000: 3.5 MB where B in full is
+    # 262 MB): the bound, without the cap, charged gigabytes for a 128k vocabulary.
+    return torch.get_num_threads() * min(per_thread, ONEDNN_SCRATCH_CAP_BYTES + 2048 * k_pad)
 
 
 def workspace_bytes(op: object, args: tuple) -> int:

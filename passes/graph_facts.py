@@ -257,10 +257,9 @@ _LOW_PRECISION_GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
 # from the CPU allocator, sized by one GEMM (not the batch) and bounded by its blocking. Allocator
 # events, torch 2.13, Xeon with AVX512-FP16 and AMX-BF16, 1 and 2 threads (exactly per thread),
 # m, k, n from 16 to 4096: float16 up to 6.7 B per element of A, B and C (16x768x16) and 1.7 MB
-# (1024^3); bfloat16 up to 2.7 B (40x16x48) and 1.05 MB. Counted with margin: c x elements,
-# capped, plus 8 KiB. float32 allocated none.
+# (1024^3); bfloat16 up to 2.7 B (40x16x48) and 1.05 MB (3.5 MB at 1024 x 4096 x 32000). Counted
+# with margin: c x elements, capped as loss_ops caps it (grows with k), plus 8 KiB. float32: none.
 _GEMM_SCRATCH_PER_ELEMENT = {torch.float16: 7, torch.bfloat16: 5}
-_GEMM_SCRATCH_CAP = {torch.float16: 4 * 1024 * _KIB, torch.bfloat16: 2 * 1024 * _KIB}
 
 
 def _low_precision_gemm_scratch(node: fx.Node) -> int:
@@ -272,7 +271,8 @@ def _low_precision_gemm_scratch(node: fx.Node) -> int:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return 0
     m, k, n = size_value(a.shape[-2]), size_value(a.shape[-1]), size_value(b.shape[-1])
-    per_thread = min(_GEMM_SCRATCH_PER_ELEMENT[out.dtype] * (m * k + k * n + m * n), _GEMM_SCRATCH_CAP[out.dtype])
+    per_thread = min(_GEMM_SCRATCH_PER_ELEMENT[out.dtype] * (m * k + k * n + m * n),
+                     loss_ops.ONEDNN_SCRATCH_CAP_BYTES + 2048 * k)
     return torch.get_num_threads() * (per_thread + 8 * _KIB)
 
 
