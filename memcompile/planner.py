@@ -216,10 +216,13 @@ def _plan_joint_graph(
                 chosen = forced
     first_plan = request is None or (not request.least_peak and request.decisions is None)
     # Only where the choices are the partitioner's own (keep or recompute): with quantize or offload
-    # allowed the solver may find cheaper plans it cannot.
-    if chosen is None and first_plan and fuse and STOCK_CANDIDATES and not problem.store_choices:
+    # allowed the solver may find cheaper plans it cannot. Where keep-all fits, Inductor's default
+    # partition (f = 1.0) is still preferred if it fits: it is plain Inductor, and keeping every
+    # activation was slower than it (BERT small: 1.10x the step at 16.76 MiB).
+    if first_plan and fuse and STOCK_CANDIDATES and not problem.store_choices:
+        fractions = STOCK_FRACTIONS[:1] if chosen is not None else STOCK_FRACTIONS
         stock = _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                                         analysis, profile, budget)
+                                         analysis, profile, budget, fractions)
         if stock is not None:
             return _stock_plan(stock, before, options, graph_id)
     if chosen is None and not (request is not None and request.least_peak):
@@ -282,8 +285,9 @@ class _StockCandidate:
 
 
 def _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, analysis,
-                             profile, budget: int) -> _StockCandidate | None:
-    """The stock partition at the largest of STOCK_FRACTIONS whose checked peak fits `budget`.
+                             profile, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS
+                             ) -> _StockCandidate | None:
+    """The stock partition at the largest of `fractions` (descending) whose checked peak fits.
 
     The smallest fraction is checked first: when even it does not fit (tight budgets, where the
     solver plans), that is one partition and check instead of four (GPT-2 small: ~10 s each on
@@ -305,12 +309,12 @@ def _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifeti
                  fraction, format_bytes(timeline.peak_bytes), format_bytes(budget))
         return (fw, bw, timeline) if timeline.peak_bytes <= budget else None
 
-    smallest = STOCK_FRACTIONS[-1]
+    smallest = fractions[-1]
     fits = checked(smallest)
     if fits is None:
         return None
     fraction = smallest
-    for larger in STOCK_FRACTIONS[:-1]:
+    for larger in fractions[:-1]:
         found = checked(larger)
         if found is not None:
             fits, fraction = found, larger
