@@ -84,3 +84,13 @@ def spy_analyses(monkeypatch) -> list:
 
     monkeypatch.setattr(planner, "analyze_joint_graph", spy)
     return seen
+
+
+def with_threads(threads: int, check: Callable[[], None]) -> None:
+    """Run `check` with torch's intra-op thread count set to `threads` (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check()
+    finally:
+        torch.set_num_threads(before)

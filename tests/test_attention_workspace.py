@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
 from memcompile.passes.graph_facts import kernel_workspace_bytes
+from budget_helpers import with_threads
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -20,15 +21,6 @@ shapes = dict(batch=st.integers(1, 3), heads=st.integers(1, 6),
               seq=st.sampled_from([8, 32, 63, 64, 100, 191, 192, 300, 767, 768]), kv_seq=st.sampled_from([None, 24, 63, 64, 600]),
               head_dim=st.sampled_from([16, 32, 64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
               threads=st.sampled_from([1, 2]), mask=st.sampled_from([None, "batch", "scores"]))
-
-
-def _with_threads(threads, check):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        check()
-    finally:
-        torch.set_num_threads(before)
 
 
 def _counted_and_measured(fn, *inputs):
@@ -80,7 +72,7 @@ def test_attention_backward_scratch_is_counted_to_the_kilobyte(batch, heads, seq
         else:
             assert counted <= ONEDNN_RATIO * scratch + ONEDNN_SLACK, (scratch, counted)
 
-    _with_threads(threads, check)
+    with_threads(threads, check)
 
 
 @settings(max_examples=20, deadline=None)
@@ -105,7 +97,7 @@ def test_attention_forward_scratch_is_counted_to_the_kilobyte(batch, heads, seq,
         scratch = rise - results
         assert scratch <= counted <= scratch + SLACK, (scratch, counted)
 
-    _with_threads(threads, check)
+    with_threads(threads, check)
 
 
 def _attention_node(op, *shapes):

@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
 from memcompile.passes.graph_facts import kernel_workspace_bytes
+from budget_helpers import with_threads
 
 FORWARD = torch.ops.aten.convolution.default
 BACKWARD = torch.ops.aten.convolution_backward.default
@@ -15,15 +16,6 @@ BACKWARD = torch.ops.aten.convolution_backward.default
 shapes = dict(c_in=st.sampled_from([3, 4, 8, 12, 16, 32, 64]), c_out=st.sampled_from([4, 8, 16, 32, 64]),
               batch=st.sampled_from([2, 7, 16]), size=st.sampled_from([8, 16, 32]), kernel=st.sampled_from([1, 3]),
               stride=st.sampled_from([1, 2]), threads=st.sampled_from([1, 2]))
-
-
-def _with_threads(threads, check):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        check()
-    finally:
-        torch.set_num_threads(before)
 
 
 def _counted_and_scratch(fn, inputs, layout):
@@ -90,4 +82,4 @@ def test_convolution_scratch_is_never_counted_under(c_in, c_out, batch, size, ke
         moved = x.nbytes + grad_out.nbytes + w.nbytes + 64 * 1024
         assert counted <= scratch + 4 * moved, ("backward", scratch, counted)
 
-    _with_threads(threads, check)
+    with_threads(threads, check)

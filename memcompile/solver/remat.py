@@ -1296,33 +1296,23 @@ def _search(
     if math.isinf(proven):  # some first computation cannot fit: the least peak exceeds the budget
         return _no_schedule("infeasible", budget + 1, started)
     capacity = budget - problem.static_bytes
-    large = _cover_literals(problem, _make_grid(problem, substeps, max_computations)) > _LARGE_MODEL
-    grid, greedy, chains = _grid_with_greedy_plan(
-        problem,
-        capacity,
-        substeps,
-        max_computations,
-        started + _GREEDY_SHARE * time_limit_s,
-        cheapest=large,
-        chain_deadline=started + _CHAIN_GREEDY_SHARE * time_limit_s,
-    )
-    if greedy is None and substeps is None and problem.n > 8:
-        # One stage per node holds a whole recomputation chain at once; between the stage grid's
-        # limit and the least peak, a grid with substeps lets chains spread out
-        # (random_layered_n250 at 0.76: 682% overhead by events, 9% on two substeps).
-        for finer in _FINER_SUBSTEPS:
-            large = _cover_literals(problem, _make_grid(problem, finer, max_computations)) > _LARGE_MODEL
-            grid, greedy, chains = _grid_with_greedy_plan(
-                problem,
-                capacity,
-                finer,
-                max_computations,
-                started + _GREEDY_SHARE * time_limit_s,
-                cheapest=large,
-                chain_deadline=started + _CHAIN_GREEDY_SHARE * time_limit_s,
-            )
-            if greedy is not None:
-                break
+    # One stage per node holds a whole recomputation chain at once; when that grid yields no greedy
+    # plan (between its limit and the least peak), grids with substeps let chains spread out
+    # (random_layered_n250 at 0.76: 682% overhead by events, 9% on two substeps).
+    finer = _FINER_SUBSTEPS if substeps is None and problem.n > 8 else ()
+    for k in (substeps, *finer):
+        large = _cover_literals(problem, _make_grid(problem, k, max_computations)) > _LARGE_MODEL
+        grid, greedy, chains = _grid_with_greedy_plan(
+            problem,
+            capacity,
+            k,
+            max_computations,
+            started + _GREEDY_SHARE * time_limit_s,
+            cheapest=large,
+            chain_deadline=started + _CHAIN_GREEDY_SHARE * time_limit_s,
+        )
+        if greedy is not None:
+            break
     if large and greedy is not None:
         # CP-SAT would spend the time limit building and presolving: improve the plan by repair.
         plan = _improve_by_repair(problem, grid, greedy, capacity, deadline, seed, chains)
