@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
@@ -29,7 +30,7 @@ from memcompile.passes.activation_analysis import (
     analyze_joint_graph,
 )
 from memcompile.passes.calibration import calibrated, step_corrections
-from memcompile.passes.graph_facts import step_device
+from memcompile.passes.graph_facts import is_aliasing_op, step_device, tensor_nbytes
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness, analyze_scheduled_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
@@ -224,7 +225,7 @@ def _plan_joint_graph(
         stock = _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                          analysis, profile, budget, fractions)
         if stock is not None:
-            return _stock_plan(stock, before, options, graph_id)
+            return _stock_plan(stock, before, options, graph_id, num_fwd_outputs)
     if chosen is None and not (request is not None and request.least_peak):
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None:
@@ -326,13 +327,42 @@ def _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifeti
     return _StockCandidate(fraction, fw, bw, timeline, added, time.monotonic() - started)
 
 
-def _stock_plan(stock: _StockCandidate, before: LivenessTimeline, options: Options, graph_id: str):
+def _stock_decisions(stock: _StockCandidate, num_fwd_outputs: int) -> tuple[Decision, ...]:
+    """What the partition saves for the backward, as "keep" rows: the plan shows it, and the step
+    ledger counts these bytes as held by this region between its forward and backward (views
+    hold none; parameters and inputs are counted as inputs)."""
+    saved = stock.forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
+    rows, seen = [], set()
+    for node in saved:
+        if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        root = node
+        while is_aliasing_op(root) and root.args and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        if root.op == "placeholder":
+            continue
+        val = node.meta["val"]
+        held = 0 if root in seen else tensor_nbytes(root.meta.get("val"))  # a view holds its base
+        seen.add(root)
+        rows.append(Decision(
+            name=node.name, op=str(getattr(node.target, "__name__", node.target)),
+            shape=tuple(size_value(d) for d in val.shape), dtype=str(val.dtype).replace("torch.", ""),
+            nbytes=tensor_nbytes(val), choice="keep", time_cost_s=0.0,
+            reason=f"saved by PyTorch's partition (activation_memory_budget={stock.fraction})",
+            source=_user_line(node.meta.get("stack_trace") or ""), held_bytes=held,
+        ))
+    return tuple(rows)
+
+
+def _stock_plan(stock: _StockCandidate, before: LivenessTimeline, options: Options, graph_id: str,
+                num_fwd_outputs: int):
     after = stock.timeline
     plan = Plan(
         graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,
         library_workspace_bytes=options.library_workspace_bytes, predicted_peak_before_bytes=before.peak_bytes,
         predicted_peak_bytes=after.peak_bytes, peak_phase=after.peak_step.phase, peak_node=after.peak_step.node,
-        peak_breakdown=after.peak_breakdown, decisions=(), added_time_s=stock.added_time_s,
+        peak_breakdown=after.peak_breakdown, decisions=_stock_decisions(stock, num_fwd_outputs),
+        added_time_s=stock.added_time_s,
         solver_status=f"stock_partition (activation_memory_budget={stock.fraction})", solve_s=stock.search_s,
         gap=0.0, live_bytes_before=tuple(s.live_bytes for s in before.steps),
         live_bytes_after=tuple(s.live_bytes for s in after.steps),

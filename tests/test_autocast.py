@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from budget_helpers import assert_within_budget, budget_range, grads, run_step
 from models import build, loss_of
@@ -57,6 +57,9 @@ def assert_close_low_precision(got, expected, dtype):
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(arch=st.sampled_from(["mlp", "attention", "convbn"]), dtype=st.sampled_from(DTYPES or [torch.bfloat16]),
        batch=st.integers(4, 16), fraction=st.floats(0.0, 1.0))
+# Found by CI on an AMX-BF16 CPU: oneDNN's bf16 convolution scratchpads were not counted (18 KB over).
+@(example(arch="convbn", dtype=torch.bfloat16, batch=4, fraction=0.9156276017479172)
+  if torch.bfloat16 in DTYPES else (lambda test: test))
 def test_autocast_plans_fit_and_match_eager_autocast(arch, dtype, batch, fraction):
     torch.compiler.reset()
     model, x = build(arch, 16, 2, batch)

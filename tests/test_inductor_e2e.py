@@ -96,6 +96,12 @@ def test_a_stock_partition_that_fits_the_budget_is_used_before_solving(monkeypat
     assert plan.solver_status.startswith("stock_partition (activation_memory_budget=")
     fraction = float(plan.solver_status.split("=")[1].rstrip(")"))
     assert fraction in planner.STOCK_FRACTIONS
+    # What the partition saves is in the plan, so the step ledger counts it between this region's
+    # forward and backward (other regions plan around it).
+    from memcompile.ledger import saved_bytes_of
+
+    assert plan.decisions and all(d.choice == "keep" for d in plan.decisions)
+    assert 0 < saved_bytes_of(plan) <= plan.predicted_peak_bytes
     assert peak <= plan.predicted_peak_bytes <= budget
     for a, b in zip(expected, grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
