@@ -270,9 +270,12 @@ def _plan_joint_graph(
 # model predicted them cheap: what Inductor fuses into the backward kernels when the partitioner
 # recomputes is cheaper than the same recomputation in our rewrite, and the model does not see
 # that. Below the smallest of these peaks (or when none fits) the solver plans as before.
-# MEMCOMPILE_STOCK_CANDIDATES=0 turns this off.
+# Off by default (MEMCOMPILE_STOCK_CANDIDATES=1 turns it on): the fresh-clone CI found two
+# interactions not handled yet: with dynamic shapes a size too large for the budget no longer
+# raised before running (a stock plan is checked at the traced size only), and with graph breaks
+# under Inductor the step ledger re-planned one region more than it should.
 STOCK_FRACTIONS = (1.0, 0.8, 0.6, 0.4)
-STOCK_CANDIDATES = os.environ.get("MEMCOMPILE_STOCK_CANDIDATES", "1") != "0"
+STOCK_CANDIDATES = os.environ.get("MEMCOMPILE_STOCK_CANDIDATES", "0") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
