@@ -24,9 +24,6 @@ class DeviceProfile:
     tf32_matmul_flops_per_s: float = 0.0
     # The share of a phase's compute time that host copies run behind (1: all of it).
     copy_overlap: float = 1.0
-    # Elements per second of a transcendental function (tanh, exp, erf, ...). 0: not charged
-    # (GPUs: their special-function units keep such ops memory-bound).
-    transcendental_per_s: float = 0.0
 
     def matmul_rate(self, dtype: torch.dtype | None) -> float:
         """Dense matmul FLOP/s for results of `dtype`."""
@@ -61,14 +58,7 @@ def _round2(x: float) -> float:
 
 @functools.lru_cache(maxsize=1)
 def measure_cpu_profile() -> DeviceProfile:
-    """A quick (~0.2 s) measurement of this CPU's matmul, elementwise and tanh throughput.
-
-    Bandwidth is that of an out-of-place elementwise op on a 4 MiB tensor (a fresh output per
-    call, as compiled kernels get), not of a copy into a reused buffer: the copy measured 25-170
-    GB/s here depending on what else held the cache, where Inductor's pointwise kernels on 1 MiB
-    activations ran at ~16 GB/s. Transcendental ops (GPT-2's tanh GELU) are compute-bound on a
-    CPU core: ~2.5 G tanh/s here, 10x slower than their bytes at that bandwidth.
-    """
+    """A quick (~0.2 s) measurement of this CPU's matmul and copy throughput."""
     n = 256
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
@@ -77,19 +67,14 @@ def measure_cpu_profile() -> DeviceProfile:
     for _ in range(reps):
         torch.mm(a, b)
     flops = 2 * n**3 * reps / max(time.perf_counter() - start, 1e-9)
-    src = torch.randn(2**20)  # 4 MiB
-    torch.mul(src, 2.0)
+    src = torch.empty(4 * 2**20)  # 16 MiB: beyond most caches
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     start = time.perf_counter()
     for _ in range(reps):
-        torch.mul(src, 2.0)
+        dst.copy_(src)
     bandwidth = 2 * src.nbytes * reps / max(time.perf_counter() - start, 1e-9)
-    torch.tanh(src)
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.tanh(src)
-    transcendental = src.numel() * reps / max(time.perf_counter() - start, 1e-9)
-    return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6,
-                         transcendental_per_s=_round2(transcendental))
+    return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6)
 
 
 def profile_for(device: str | torch.device | None) -> DeviceProfile:
