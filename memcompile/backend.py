@@ -186,7 +186,6 @@ class _Region:
         # behind another one, as DDPOptimizer compiles all its pieces at once) cannot know what
         # later regions need: it holds as little as it can for the first step.
         cautious = backend.in_first_step() and (position > 0 or backend.compiled_ahead > 0)
-        backend.compiled_ahead += 1
         kind = "least" if cautious else "outside"
 
         def compile_for(o: int) -> _Variant:
@@ -204,6 +203,10 @@ class _Region:
                 self._first = self._plan_for_position(position, outside, compile_for)
             except InfeasibleBudgetError as chunked_error:
                 raise chunked_error if chunked_error.min_feasible_bytes <= error.min_feasible_bytes else error
+        # Counted once compiled: a compile Dynamo abandons (it restarts its analysis from inside
+        # the backend, e.g. TensorifyScalarRestartAnalysis under dynamic=True) is never called,
+        # and counting it made the retried compile of a one-region step cautious (its least peak).
+        backend.compiled_ahead += 1
         self._current = (self._first, outside)
 
     def _chunk_loss_heads(self) -> bool:

@@ -58,7 +58,7 @@ _RAISE_MIN_SLACK = 0.02  # ... of at least this fraction of the budget
 
 @dataclass(frozen=True)
 class _Attempt:
-    solution: ActivationSolution
+    solution: ActivationSolution | StockSolution
     forward: fx.GraphModule
     backward: fx.GraphModule
     timeline: LivenessTimeline
@@ -96,6 +96,15 @@ FUSION_CHECK = os.environ.get("MEMCOMPILE_FUSION_CHECK", "1") != "0"
 RECOMPUTE_FUSION = os.environ.get("MEMCOMPILE_RECOMPUTE_FUSION", "1") != "0"
 
 
+def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (
+                isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)):
+            return True
+    return False
+
+
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
     """The liveness of the graphs as they will run. Under Inductor (when FUSION_CHECK): of copies
     after Inductor's post-grad passes (they move ops: `mm + add` becomes one addmm at the add,
@@ -115,12 +124,19 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     # The backward's placeholders keep the names the post-grad passes may change in the forward.
     saved_names = tuple(a.name if isinstance(a, fx.Node) else None
                         for a in fw.graph.find_nodes(op="output")[0].args[0])
-    try:
-        schedules = tp.inductor_schedule(fw_seen, is_backward=False), tp.inductor_schedule(bw_seen, is_backward=True)
-        return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names)
-    except Exception as error:  # noqa: BLE001 - the prediction must not fail the compile
-        log.warning("memcompile: scheduling a copy of the graphs with Inductor failed (%s: %s); "
-                    "predicting in graph order", type(error).__name__, error)
+    if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
+        # Dynamic shapes: Inductor's lowering needs Dynamo's ShapeEnv; lowered in a fork of it,
+        # the schedule's prediction for a larger planned size was under the measured peak
+        # (attention stack at 32 after tracing at 8: 139,400 B predicted, 143,368 measured), so
+        # graph order (an upper bound: 156,680 there) is used until that is understood.
+        log.debug("memcompile: symbolic sizes: predicting in graph order, not over Inductor's schedule")
+    else:
+        try:
+            schedules = tp.inductor_schedule(fw_seen, is_backward=False), tp.inductor_schedule(bw_seen, is_backward=True)
+            return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names)
+        except Exception as error:  # noqa: BLE001 - the prediction must not fail the compile
+            log.warning("memcompile: scheduling a copy of the graphs with Inductor failed (%s: %s); "
+                        "predicting in graph order", type(error).__name__, error)
     # Graph order misses what Inductor's schedule moves: the larger of both counts.
     fused = analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True, saved_names=saved_names)
     return fused if fused.peak_bytes > unfused.peak_bytes else unfused
@@ -204,28 +220,20 @@ def _plan_joint_graph(
     before = baseline.timeline
     uncalibrated = problem
     analysis = _calibrated_to(analysis, baseline)
-    replanner = Replanner(joint, analysis, num_fwd_outputs, options, baseline, uncalibrated)
-    chosen = baseline if before.peak_bytes <= budget else None
+    # PyTorch's own partitions are candidates only where the choices are the partitioner's own
+    # (keep or recompute): with quantize or offload allowed the solver may find cheaper plans.
+    stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
+                            {n.name for n in analysis.forward_nodes}) \
+        if fuse and STOCK_CANDIDATES and not problem.store_choices else None
+    replanner = Replanner(joint, analysis, num_fwd_outputs, options, baseline, uncalibrated, stock=stock)
+    chosen = None
     solve_s = 0.0
     if request is not None:
         request.replanner = replanner
-        if request.least_peak:
-            chosen = None  # asked for the least peak even where more would fit
-        elif request.decisions is not None and request.fingerprint == replanner.fingerprint:
-            forced = _rewrite_and_check(joint, analysis, request.decisions, num_fwd_outputs, fuse)
-            if forced.timeline.peak_bytes <= budget:
+        if request.decisions is not None and not request.least_peak and request.fingerprint == replanner.fingerprint:
+            forced = replanner.attempt_for(request.decisions)
+            if forced is not None and forced.timeline.peak_bytes <= budget:
                 chosen = forced
-    first_plan = request is None or (not request.least_peak and request.decisions is None)
-    # Only where the choices are the partitioner's own (keep or recompute): with quantize or offload
-    # allowed the solver may find cheaper plans it cannot. Where keep-all fits, Inductor's default
-    # partition (f = 1.0) is still preferred if it fits: it is plain Inductor, and keeping every
-    # activation was slower than it (BERT small: 1.10x the step at 16.76 MiB).
-    if first_plan and fuse and STOCK_CANDIDATES and not problem.store_choices:
-        fractions = STOCK_FRACTIONS[:1] if chosen is not None else STOCK_FRACTIONS
-        stock = _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                                         analysis, profile, budget, fractions)
-        if stock is not None:
-            return _stock_plan(stock, before, options, graph_id, num_fwd_outputs)
     if chosen is None and not (request is not None and request.least_peak):
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None:
@@ -250,7 +258,7 @@ def _plan_joint_graph(
         peak_phase=after.peak_step.phase,
         peak_node=after.peak_step.node,
         peak_breakdown=after.peak_breakdown,
-        decisions=_decisions(analysis, sol),
+        decisions=sol.rows if isinstance(sol, StockSolution) else _decisions(analysis, sol),
         added_time_s=sol.added_time_s,
         solver_status=sol.status,
         solve_s=solve_s,
@@ -263,78 +271,116 @@ def _plan_joint_graph(
 
 
 # PyTorch's own min-cut partition, at these activation_memory_budget fractions, is a candidate
-# plan: the first (largest) fraction whose partition the check puts within the budget is used
-# instead of solving. Measured side by side (benchmarks/results/pareto_small*.md, quiet machine),
-# at the peak of each of these partitions our plans were slower on GPT-2, Llama and BERT (e.g.
-# GPT-2 at 15.03 MiB: Inductor at 0.8 added 3.8% to the step, our plan 11-14%) while our cost
-# model predicted them cheap: what Inductor fuses into the backward kernels when the partitioner
+# plan: the largest fraction whose partition the check puts within the budget is used instead of
+# solving. Measured side by side (benchmarks/results/pareto_small*.md, quiet machine), at the peak
+# of each of these partitions our plans were slower on GPT-2, Llama and BERT (e.g. GPT-2 at
+# 15.03 MiB: Inductor at 0.8 added 3.8% to the step, our plan 11-14%) while our cost model
+# predicted them cheap: what Inductor fuses into the backward kernels when the partitioner
 # recomputes is cheaper than the same recomputation in our rewrite, and the model does not see
-# that. Below the smallest of these peaks (or when none fits) the solver plans as before.
-# Off by default (MEMCOMPILE_STOCK_CANDIDATES=1 turns it on): the fresh-clone CI found two
-# interactions not handled yet: with dynamic shapes a size too large for the budget no longer
-# raised before running (a stock plan is checked at the traced size only), and with graph breaks
-# under Inductor the step ledger re-planned one region more than it should.
+# that. Below the smallest of these peaks the solver plans as before. The partitions are options
+# of the Replanner like the solver's plans, so re-plans (dynamic sizes, the step ledger) and the
+# step plan of several regions choose among them too, each checked at the sizes planned for.
+# MEMCOMPILE_STOCK_CANDIDATES=0 turns this off.
 STOCK_FRACTIONS = (1.0, 0.8, 0.6, 0.4)
-STOCK_CANDIDATES = os.environ.get("MEMCOMPILE_STOCK_CANDIDATES", "0") == "1"
+STOCK_CANDIDATES = os.environ.get("MEMCOMPILE_STOCK_CANDIDATES", "1") != "0"
 
 
-@dataclasses.dataclass(frozen=True)
-class _StockCandidate:
+@dataclass(frozen=True)
+class StockSolution:
+    """A plan that is PyTorch's min-cut partition at one activation_memory_budget fraction (the
+    counterpart of ActivationSolution for the backend: `decisions` identifies it)."""
+
     fraction: float
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    timeline: LivenessTimeline
-    added_time_s: float
-    search_s: float
+    added_time_s: float  # its recomputations, estimated, beyond those of the partition at 1.0
+    held_bytes: int  # what it saves from forward to backward (views hold none)
+    rows: tuple[Decision, ...]  # what it saves, as the plan lists it
+    solve_s: float = 0.0
+    gap: float = 0.0
+
+    @property
+    def decisions(self) -> tuple[str, float]:
+        return ("stock_partition", self.fraction)
+
+    @property
+    def status(self) -> str:
+        return f"stock_partition (activation_memory_budget={self.fraction})"
 
 
-def _fitting_stock_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, analysis,
-                             profile, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS
-                             ) -> _StockCandidate | None:
-    """The stock partition at the largest of `fractions` (descending) whose checked peak fits.
+@dataclass
+class StockPartitions:
+    """PyTorch's partitions of one joint graph, each made and checked once (at the sizes planned for)."""
 
-    The smallest fraction is checked first: when even it does not fit (tight budgets, where the
-    solver plans), that is one partition and check instead of four (GPT-2 small: ~10 s each on
-    a loaded core)."""
-    started = time.monotonic()
-    forward_names = {n.name for n in analysis.forward_nodes}
+    joint: fx.GraphModule
+    joint_inputs: object
+    num_fwd_outputs: int
+    static_lifetime_input_indices: list[int] | None
+    profile: object
+    forward_names: set[str]  # forward ops found in the backward are recomputations
+    _made: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def checked(fraction: float) -> tuple[fx.GraphModule, fx.GraphModule, LivenessTimeline] | None:
+    def at(self, fraction: float) -> _Attempt | None:
+        """The checked partition at `fraction`; None if it could not be made or checked. Its
+        added time counts from plain Inductor (the partition at 1.0, which recomputes some
+        pointwise ops too), as the solver's plans count from keep-all, which was no faster."""
+        made = self._made_at(fraction)
+        if made is None:
+            return None
+        attempt, recomputed_s = made
+        base = self._made_at(1.0)
+        added = max(0.0, recomputed_s - base[1]) if base is not None else recomputed_s
+        return dataclasses.replace(attempt, solution=dataclasses.replace(attempt.solution, added_time_s=added))
+
+    def _made_at(self, fraction: float) -> tuple[_Attempt, float] | None:
+        if fraction not in self._made:
+            self._made[fraction] = self._make(fraction)
+        return self._made[fraction]
+
+    def _make(self, fraction: float) -> tuple[_Attempt, float] | None:
+        """The partition, checked, and the estimated time of its recomputations."""
+        started = time.monotonic()
         try:
-            fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=fraction,
-                                        num_fwd_outputs=num_fwd_outputs,
-                                        static_lifetime_input_indices=static_lifetime_input_indices)
-            timeline = predicted_liveness(fw, bw, num_fwd_outputs, True)
+            fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
+                                        num_fwd_outputs=self.num_fwd_outputs,
+                                        static_lifetime_input_indices=self.static_lifetime_input_indices)
+            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True)
         except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
             log.info("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
                      type(error).__name__, error)
             return None
-        log.info("memcompile: stock partition at activation_memory_budget=%s: checked peak %s (budget %s)",
-                 fraction, format_bytes(timeline.peak_bytes), format_bytes(budget))
-        return (fw, bw, timeline) if timeline.peak_bytes <= budget else None
+        log.info("memcompile: stock partition at activation_memory_budget=%s: checked peak %s", fraction,
+                 format_bytes(timeline.peak_bytes))
+        # Forward ops the partitioner placed in the backward are its recomputations.
+        recomputed_s = sum(estimate_node_time_s(n, self.profile) for n in bw.graph.nodes
+                           if n.op == "call_function" and n.name in self.forward_names)
+        rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
+        solution = StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows,
+                                 solve_s=time.monotonic() - started)
+        return _Attempt(solution, fw, bw, timeline), recomputed_s
 
-    smallest = fractions[-1]
-    fits = checked(smallest)
-    if fits is None:
+    def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
+        """The partition at the largest of `fractions` (descending) whose checked peak fits.
+        The smallest is made first: when even it does not fit (tight budgets, where the solver
+        plans), that is one partition and check instead of four (GPT-2 small: ~10 s each on a
+        loaded core)."""
+        smallest = self._made_at(fractions[-1])
+        if smallest is None or smallest[0].timeline.peak_bytes > budget:
+            return None
+        for fraction in fractions:
+            made = self._made_at(fraction)
+            if made is not None and made[0].timeline.peak_bytes <= budget:
+                return self.at(fraction)
         return None
-    fraction = smallest
-    for larger in fractions[:-1]:
-        found = checked(larger)
-        if found is not None:
-            fits, fraction = found, larger
-            break
-    fw, bw, timeline = fits
-    # Forward ops the partitioner placed in the backward are its recomputations.
-    recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
-    added = sum(estimate_node_time_s(n, profile) for n in recomputed)
-    return _StockCandidate(fraction, fw, bw, timeline, added, time.monotonic() - started)
+
+    def made_s(self) -> float:
+        """Time spent making and checking partitions so far."""
+        return sum(m[0].solution.solve_s for m in self._made.values() if m is not None)
 
 
-def _stock_decisions(stock: _StockCandidate, num_fwd_outputs: int) -> tuple[Decision, ...]:
+def _stock_decisions(forward: fx.GraphModule, fraction: float, num_fwd_outputs: int) -> tuple[Decision, ...]:
     """What the partition saves for the backward, as "keep" rows: the plan shows it, and the step
     ledger counts these bytes as held by this region between its forward and backward (views
     hold none; parameters and inputs are counted as inputs)."""
-    saved = stock.forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
+    saved = forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
     rows, seen = [], set()
     for node in saved:
         if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
@@ -351,27 +397,10 @@ def _stock_decisions(stock: _StockCandidate, num_fwd_outputs: int) -> tuple[Deci
             name=node.name, op=str(getattr(node.target, "__name__", node.target)),
             shape=tuple(size_value(d) for d in val.shape), dtype=str(val.dtype).replace("torch.", ""),
             nbytes=tensor_nbytes(val), choice="keep", time_cost_s=0.0,
-            reason=f"saved by PyTorch's partition (activation_memory_budget={stock.fraction})",
+            reason=f"saved by PyTorch's partition (activation_memory_budget={fraction})",
             source=_user_line(node.meta.get("stack_trace") or ""), held_bytes=held,
         ))
     return tuple(rows)
-
-
-def _stock_plan(stock: _StockCandidate, before: LivenessTimeline, options: Options, graph_id: str,
-                num_fwd_outputs: int):
-    after = stock.timeline
-    plan = Plan(
-        graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,
-        library_workspace_bytes=options.library_workspace_bytes, predicted_peak_before_bytes=before.peak_bytes,
-        predicted_peak_bytes=after.peak_bytes, peak_phase=after.peak_step.phase, peak_node=after.peak_step.node,
-        peak_breakdown=after.peak_breakdown, decisions=_stock_decisions(stock, num_fwd_outputs),
-        added_time_s=stock.added_time_s,
-        solver_status=f"stock_partition (activation_memory_budget={stock.fraction})", solve_s=stock.search_s,
-        gap=0.0, live_bytes_before=tuple(s.live_bytes for s in before.steps),
-        live_bytes_after=tuple(s.live_bytes for s in after.steps),
-    )
-    log.info("%s", plan.summary())
-    return stock.forward, stock.backward, plan
 
 
 def _calibrated_to(analysis: JointAnalysis, checked: _Attempt) -> JointAnalysis:
@@ -395,15 +424,17 @@ class PlanRequest:
     """What the backend asks of one planning beyond the budget, and what it gets back."""
 
     least_peak: bool = False  # plan the least peak even where more would fit (a cautious first step)
-    decisions: ActivationSolution | None = None  # run these decisions (an option chosen for the whole step)
+    decisions: ActivationSolution | StockSolution | None = None  # run these decisions (an option chosen for the whole step)
     fingerprint: tuple | None = None  # of the problem `decisions` index; ignored if this graph differs
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
-    solution: ActivationSolution | None = None  # out: the decisions the plan runs
+    solution: ActivationSolution | StockSolution | None = None  # out: the decisions the plan runs
 
 
-def held_bytes(problem, solution: ActivationSolution) -> int:
+def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
     """Device bytes a solution holds from forward to backward (what the ledger's saved_bytes
     counts from the plan's decisions: kept tensors, stored forms, nothing for recomputed ones)."""
+    if isinstance(solution, StockSolution):
+        return solution.held_bytes
     return sum(problem.nbytes[i] for i in solution.keep) + sum(
         problem.choices_of(i)[k].stored_bytes for i, k in solution.stored)
 
@@ -420,6 +451,7 @@ class Replanner:
     options: Options
     keep_all: _Attempt
     uncalibrated: ActivationProblem | None = None  # the model before calibration (for least_peak)
+    stock: StockPartitions | None = None  # PyTorch's partitions, where they are candidates
     _least_peak: tuple[_Attempt, float] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -429,11 +461,19 @@ class Replanner:
 
     def fit(self, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
         """The least-time plan whose checked peak is <= budget, or None; and the solve time.
-        When the rewritten graphs peak above what the model said, the target is lowered by the
-        excess and it solves again (at most _MAX_TIGHTENINGS times, sharing the time limit);
-        when they peak well below the budget, the target is raised once by the room left and
-        the faster of the fitting plans is kept."""
-        if self.keep_all.timeline.peak_bytes <= budget:
+        PyTorch's partition at the largest fraction that fits comes first (STOCK_FRACTIONS; only
+        1.0, plain Inductor, where keep-all fits: keeping everything was slower than it, 1.10x
+        the step on BERT). Else the solver: when the rewritten graphs peak above what the model
+        said, the target is lowered by the excess and it solves again (at most _MAX_TIGHTENINGS
+        times, sharing the time limit); when they peak well below the budget, the target is
+        raised once by the room left and the faster of the fitting plans is kept."""
+        keep_all_fits = self.keep_all.timeline.peak_bytes <= budget
+        if self.stock is not None:
+            started = time.monotonic()
+            found = self.stock.fitting(budget, STOCK_FRACTIONS[:1] if keep_all_fits else STOCK_FRACTIONS)
+            if found is not None:
+                return found, time.monotonic() - started
+        if keep_all_fits:
             return self.keep_all, 0.0
         attempt, solve_s = self._fit_with(self.analysis.problem, budget, time_limit_s)
         if attempt is None and self.uncalibrated is not None and self.uncalibrated != self.analysis.problem:
@@ -479,6 +519,14 @@ class Replanner:
     def least_peak(self) -> _Attempt:
         return self.least_peak_and_solve_s()[0]
 
+    def attempt_for(self, decisions: ActivationSolution | StockSolution) -> _Attempt | None:
+        """The checked graphs of these decisions (a plan chosen for the whole step); None for a
+        stock partition that is not a candidate here."""
+        if isinstance(decisions, StockSolution):
+            return self.stock.at(decisions.fraction) if self.stock is not None else None
+        return _rewrite_and_check(self.joint, self.analysis, decisions, self.num_fwd_outputs,
+                                  _runs_under_inductor(self.options))
+
     def least_peak_and_solve_s(self) -> tuple[_Attempt, float]:
         """The least-peak plan (deterministic, so made once: an infeasible first compile and the
         options offered to a step plan both ask for it), and the solve time it took."""
@@ -487,21 +535,25 @@ class Replanner:
                                                    self.keep_all, self.uncalibrated)
         return self._least_peak
 
-    def options_between(self, count: int, time_limit_s: float) -> list[tuple[int, int, float, ActivationSolution]]:
-        """(own peak, held bytes, added time, decisions) of the keep-all plan, the least-peak plan
-        and the least-time plans at `count` budgets evenly between their peaks; duplicates and
-        plans another one beats on all three measures dropped; keep-all first, least peak last."""
+    def options_between(self, count: int, time_limit_s: float
+                        ) -> list[tuple[int, int, float, ActivationSolution | StockSolution]]:
+        """(own peak, held bytes, added time, decisions) of PyTorch's partitions (where they are
+        candidates), the keep-all plan, the least-peak plan and the least-time plans at `count`
+        budgets evenly between their peaks; duplicates and plans another one beats on all three
+        measures dropped; PyTorch's first (ties go to them: measured faster at equal memory),
+        least peak last."""
         problem = self.analysis.problem
         least = self.least_peak()
         high, low = self.keep_all.timeline.peak_bytes, least.timeline.peak_bytes
-        attempts = [self.keep_all]
+        stock = [self.stock.at(f) for f in STOCK_FRACTIONS] if self.stock is not None else []
+        attempts = [a for a in stock if a is not None] + [self.keep_all]
         for i in range(count, 0, -1):
             budget = low + (high - low) * i // (count + 1)
             attempt, _ = self.fit(budget, time_limit_s)
             if attempt is not None:
                 attempts.append(attempt)
         attempts.append(least)
-        rows: list[tuple[int, int, float, ActivationSolution]] = []
+        rows: list[tuple[int, int, float, ActivationSolution | StockSolution]] = []
         for a in attempts:
             row = (a.timeline.peak_bytes, held_bytes(problem, a.solution), a.solution.added_time_s, a.solution)
             if any(r[3].decisions == row[3].decisions for r in rows):

@@ -107,3 +107,52 @@ def test_a_size_too_large_for_the_budget_raises_before_running():
     assert info.value.min_feasible_bytes > budget
     # smaller sizes still run under the plan made for them
     compiled(_input("mlp", 32, 2, 8)).backward()
+
+
+@pytest.mark.inductor
+def test_inductor_replans_pytorchs_partitions_at_the_larger_size(monkeypatch):
+    """Under Inductor, PyTorch's partitions are candidate plans (planner.StockPartitions); a
+    re-plan for a larger size checks them at that size, so the step measured at it stays under
+    the budget (with the partition checked only at the traced size it would not)."""
+    from memcompile import planner
+
+    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
+    torch.compiler.reset()
+    model, _ = build("attention", 16, 2, 2)
+    probe = memcompile.budget(10**12, time_limit_s=2)
+    torch.compile(WithLoss(model), backend=probe, dynamic=False)(_input("attention", 16, 2, 32)).backward()
+    keep_all_at_32 = probe.plans[-1].predicted_peak_before_bytes
+    torch.compiler.reset()
+    budget = keep_all_at_32 - 1  # keep-all no longer fits at 32 (it does at 8)
+    backend = memcompile.budget(budget, time_limit_s=2)
+    compiled = torch.compile(WithLoss(model), backend=backend, dynamic=True)
+    for length in (8, 32):
+        x = _input("attention", 16, 2, length)
+        expected = _grads(model, x, WithLoss(model))
+        got = _grads(model, x, compiled)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        measured = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x])
+        assert measured.peak_bytes <= backend.plans[-1].predicted_peak_bytes <= budget, (length, measured.peak_bytes)
+    statuses = [p.solver_status for p in backend.plans]
+    assert len(statuses) == 2 and statuses[0] == "stock_partition (activation_memory_budget=1.0)", statuses
+    assert 32 in dict(backend.plans[-1].size_bounds).values()
+    assert backend.plans[-1].predicted_peak_bytes > backend.plans[0].predicted_peak_bytes
+    torch.compiler.reset()
+
+
+def test_a_one_region_step_with_room_runs_its_keep_all_plan():
+    """Under dynamic=True Dynamo may abandon the first compile from inside the backend and retry
+    it (TensorifyScalarRestartAnalysis); the abandoned compile is never called, so the retried
+    one is not "compiled ahead of its call" and needs no cautious least-peak plan."""
+    torch.compiler.reset()
+    model, _ = build("attention", 16, 2, 2)
+    backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=2)
+    compiled = torch.compile(WithLoss(model), backend=backend, dynamic=True)
+    for length in (8, 8):
+        compiled(_input("attention", 16, 2, length)).backward()
+    assert [p.solver_status for p in backend.plans] == ["fits"]
+    assert not any(d.choice == "recompute" for d in backend.plans[0].decisions)
+    torch.compiler.reset()

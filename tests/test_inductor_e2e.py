@@ -88,7 +88,7 @@ def test_a_stock_partition_that_fits_the_budget_is_used_before_solving(monkeypat
     budget and its prediction, gradients as eager. Turned off, the solver plans instead."""
     from memcompile import planner
 
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)  # opt-in (MEMCOMPILE_STOCK_CANDIDATES=1)
+    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)  # the default, unless MEMCOMPILE_STOCK_CANDIDATES=0
     model, x = build("attention", 32, 2, 16)
     expected = _eager_grads(model, x)
     free_plan, _, _ = _run(model, x, "100GB")
