@@ -457,7 +457,7 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
                 index=index, name=origin.name if origin is not None else snode.get_name(),
                 allocates=tuple(allocates), reads=tuple(reads), in_place_candidates=tuple(candidates),
                 wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else "",
-                call_group=call_groups[index]))
+                call_group=call_groups[index], library_call=extern))
 
         outputs: list[str | None] = []
         for value in graph.graph_outputs:

@@ -46,6 +46,10 @@ class ScheduledKernel:
     # tiny's last kernel group allocated the 128 KiB embedding gradient while the attention's
     # 48 KiB qkv gradient, read by an earlier member, was still held: 32 KB over the budget.
     call_group: int = -1
+    # A library call (aten: matmul, attention, convolution...) may allocate scratch no model
+    # explains (liveness.OP_SCRATCH_BYTES); a kernel Inductor generated allocates nothing itself
+    # (the wrapper allocates its buffers, counted in `allocates`), so it gets no such margin.
+    library_call: bool = True
 
 
 @dataclass(frozen=True)

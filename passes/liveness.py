@@ -34,7 +34,9 @@ from memcompile.passes.stored_forms import HOST_PREFIX
 
 # Bytes an op may allocate and free inside itself (wrapped Python scalars, small workspaces) that
 # no graph node shows and no workspace model explains (2.7 KB seen once in a float64 attention
-# backward, cause not found yet); counted at every step so tiny graphs keep their budget too.
+# backward, cause not found yet); counted at every step so tiny graphs keep their budget too:
+# every op in graph order, every library call over Inductor's schedule (its generated kernels
+# allocate nothing themselves).
 OP_SCRATCH_BYTES = 4096
 
 # Categories a storage is counted under, for the plan's breakdown.
@@ -436,7 +438,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             origin = _node_named(graph, kernel.extern_origin)
             if origin is not None:
                 transient = kernel_workspace_bytes(origin, inductor=True) + promotion_copy_bytes(origin)
-        _record_step(steps, peak, live, phase, kernel.name, OP_SCRATCH_BYTES + transient)
+        margin = OP_SCRATCH_BYTES if kernel.library_call else 0
+        _record_step(steps, peak, live, phase, kernel.name, margin + transient)
 
     def walk(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, prefix: str,
              input_key) -> dict[str, str]:
