@@ -620,8 +620,8 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
         if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
             attempt = other
     attempt = _descend_on_check(joint, analysis, num_fwd_outputs, fuse, attempt)
-    if lossless is not None and lossless.timeline.peak_bytes < attempt.timeline.peak_bytes:
-        attempt = lossless
+    if lossless is not None and lossless.timeline.peak_bytes <= attempt.timeline.peak_bytes:
+        attempt = lossless  # as low without quantizing: no error for nothing
     if baseline.timeline.peak_bytes < attempt.timeline.peak_bytes:
         attempt = baseline
     return attempt, least.solve_s

@@ -277,6 +277,23 @@ def _low_precision_gemm_scratch(node: fx.Node) -> int:
     return torch.get_num_threads() * (per_thread + 8 * _KIB)
 
 
+def gemm_reads_operands_in_place(node: fx.Node) -> bool:
+    """A matrix multiply whose operands are contiguous or transposed-contiguous: BLAS reads them
+    as they are (no copy through the allocator); float32 GEMMs on CPU allocate nothing else
+    through it (MKL's buffers are its own), and the float16/bfloat16 scratch is counted by
+    `_low_precision_gemm_scratch`. GPT-2 small's stock partitions peaked at a backward mm and the
+    check over Inductor's schedule, less the per-op margin, was the measured peak to the byte."""
+    if node.target not in _LOW_PRECISION_GEMMS:
+        return False
+    operands = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[-2:]]
+    try:
+        return len(operands) == 2 and all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and (t.is_contiguous() or t.transpose(-1, -2).is_contiguous())
+            for t in operands)
+    except Exception:  # noqa: BLE001 - symbolic strides that cannot be decided: assume a copy
+        return False
+
+
 def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
     """Bytes a library kernel allocates and frees inside itself while `node` runs. `inductor`:
     the graph runs as Inductor's code, which lays CPU convolutions out channels-last."""

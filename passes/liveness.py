@@ -22,6 +22,7 @@ from memcompile.passes.graph_facts import (
     fusion_facts,
     graph_device_type,
     kernel_workspace_bytes,
+    gemm_reads_operands_in_place,
     promotion_copy_bytes,
     wrapper_allocates,
     transient_bytes,
@@ -36,7 +37,7 @@ from memcompile.passes.stored_forms import HOST_PREFIX
 # no graph node shows and no workspace model explains (2.7 KB seen once in a float64 attention
 # backward, cause not found yet); counted at every step so tiny graphs keep their budget too:
 # every op in graph order, every library call over Inductor's schedule (its generated kernels
-# allocate nothing themselves).
+# allocate nothing themselves) except matrix multiplies that read their operands in place.
 OP_SCRATCH_BYTES = 4096
 
 # Categories a storage is counted under, for the plan's breakdown.
@@ -431,6 +432,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
 
     def record(phase: str, kernel: ScheduledKernel, graph: fx.GraphModule) -> None:
         transient = 0
+        margin = OP_SCRATCH_BYTES if kernel.library_call else 0
         if kernel.extern_origin:
             # The library call's own workspace. Not layout_copy_bytes: Inductor hands it the
             # strides it accepts, realizing any copy as a buffer of its schedule (counted there);
@@ -438,7 +440,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             origin = _node_named(graph, kernel.extern_origin)
             if origin is not None:
                 transient = kernel_workspace_bytes(origin, inductor=True) + promotion_copy_bytes(origin)
-        margin = OP_SCRATCH_BYTES if kernel.library_call else 0
+                if gemm_reads_operands_in_place(origin):
+                    margin = 0
         _record_step(steps, peak, live, phase, kernel.name, margin + transient)
 
     def walk(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, prefix: str,

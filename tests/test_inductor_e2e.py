@@ -110,3 +110,25 @@ def test_a_stock_partition_that_fits_the_budget_is_used_before_solving(monkeypat
     plan, peak, grads = _run(model, x, budget)
     assert not plan.solver_status.startswith("stock_partition")
     assert peak <= plan.predicted_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("arch, size, depth, batch", [("mlp", 64, 3, 256), ("attention", 32, 2, 16)])
+def test_at_plain_inductors_measured_peak_its_own_partition_is_the_plan(monkeypatch, arch, size, depth, batch):
+    """A user who measured plain Inductor's peak and gives exactly that as the budget gets plain
+    Inductor's partition back, not a slower plan: the check predicts it to the byte where its
+    peak is at a generated kernel or a matrix multiply (no per-op margin there)."""
+    from memcompile import planner
+
+    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
+    model, x = build(arch, size, depth, batch)
+    compiled = torch.compile(WithLoss(model))
+    compiled(x).backward()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    plain = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes
+    torch.compiler.reset()
+    plan, peak, _ = _run(model, x, plain)
+    assert peak <= plan.predicted_peak_bytes <= plain
+    if arch == "mlp":  # its peak is at a matrix multiply of the backward
+        assert plan.solver_status == "stock_partition (activation_memory_budget=1.0)", plan.summary()
+        assert peak == plain
