@@ -202,3 +202,24 @@ def test_allowing_int8_never_raises_the_smallest_budget(make):
     lossless = _smallest_budget(model, x)
     assert _smallest_budget(model, x, quantize="int8") <= lossless
     assert _smallest_budget(model, x, offload=True) <= lossless
+
+
+@pytest.mark.parametrize("make", [lambda: (MLP(64, 3), torch.randn(256, 64)),
+                                  lambda: (AttentionStack(32, 2, 2), torch.randn(8, 16, 32))])
+def test_the_least_peak_plan_quantizes_only_where_that_lowers_the_peak(make):
+    """At the smallest budget with int8 allowed, the plan stores something in int8 only if the
+    lossless search could not reach that peak (GPT-2 small once ran an int8 least-peak plan,
+    gradient error 1.2e-2, at exactly the lossless least peak)."""
+    torch.manual_seed(0)
+    model, x = make()
+    lossless = _smallest_budget(model, x)
+    smallest = _smallest_budget(model, x, quantize="int8")
+    torch.compiler.reset()
+    backend = memcompile.budget(smallest, codegen="aot_eager", time_limit_s=5, quantize="int8")
+    torch.compile(model, backend=backend)(x).sum().backward()
+    torch.compiler.reset()
+    stored = [d for d in backend.plans[0].decisions if d.choice not in ("keep", "recompute")]
+    if smallest == lossless:
+        assert not stored, [(d.name, d.choice) for d in stored]
+    else:
+        assert smallest < lossless and stored
