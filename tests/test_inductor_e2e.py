@@ -132,3 +132,24 @@ def test_at_plain_inductors_measured_peak_its_own_partition_is_the_plan(monkeypa
     if arch == "mlp":  # its peak is at a matrix multiply of the backward
         assert plan.solver_status == "stock_partition (activation_memory_budget=1.0)", plan.summary()
         assert peak == plain
+
+
+def test_with_int8_allowed_a_fitting_partition_still_comes_first(monkeypatch):
+    """Lossy formats are opt-in memory savings: where PyTorch's partition fits the budget, it runs
+    (no precision lost, and faster than the solver's plans on the models measured); offload
+    allowed (CUDA's default), the solver plans, as copies overlapped with compute may cost less."""
+    from memcompile import planner
+
+    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
+    model, x = build("attention", 32, 2, 16)
+    free_plan, _, _ = _run(model, x, "100GB")
+    budget = free_plan.predicted_peak_before_bytes - 1
+    statuses = {}
+    for options in ({"quantize": "int8"}, {"offload": True}):
+        backend = memcompile.budget(budget, time_limit_s=5, **options)
+        torch.compile(WithLoss(model), backend=backend)(x).backward()
+        torch.compiler.reset()
+        statuses[tuple(options)] = backend.plans[0].solver_status
+        assert backend.plans[0].predicted_peak_bytes <= budget
+    assert statuses[("quantize",)].startswith("stock_partition"), statuses
+    assert not statuses[("offload",)].startswith("stock_partition"), statuses
