@@ -70,8 +70,11 @@ def test_every_admitted_size_stays_under_the_budget(arch, lengths, dynamic, frac
         seen = max(seen, length)
         plan = backend.plans[-1]
         assert plan.predicted_peak_bytes <= budget
-        if plan.size_bounds:  # a symbolic plan states the sizes it covers: at least this call's
-            assert max(v for _, v in plan.size_bounds) >= length
+        # A symbolic plan states the sizes it covers: at least this call's. A length equal to the
+        # feature size is no symbol of its own (duck sizing gives both one symbol, and the Linear
+        # weights fix it): that graph is specialised to it and only its batch is symbolic.
+        if plan.size_bounds and length != size:
+            assert max(v for _, v in plan.size_bounds) >= length, plan.size_bounds
     torch.compiler.reset()
 
 
