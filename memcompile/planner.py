@@ -374,10 +374,6 @@ class StockPartitions:
                 return self.at(fraction)
         return None
 
-    def made_s(self) -> float:
-        """Time spent making and checking partitions so far."""
-        return sum(m[0].solution.solve_s for m in self._made.values() if m is not None)
-
 
 def _stock_decisions(forward: fx.GraphModule, fraction: float, num_fwd_outputs: int) -> tuple[Decision, ...]:
     """What the partition saves for the backward, as "keep" rows: the plan shows it, and the step
