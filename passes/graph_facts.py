@@ -252,7 +252,7 @@ def _im2col_bytes(node: fx.Node) -> int:
     return int(inp.shape[0]) * int(inp.shape[1]) * kernel * positions * inp.dtype.itemsize
 
 
-_LOW_PRECISION_GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+_GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                         torch.ops.aten.baddbmm.default}
 # Per thread, oneDNN's float16/bfloat16 GEMMs on CPU allocate scratch (converted or packed blocks)
 # from the CPU allocator, sized by one GEMM (not the batch) and bounded by its blocking. Allocator
@@ -283,7 +283,7 @@ def gemm_reads_operands_in_place(node: fx.Node) -> bool:
     through it (MKL's buffers are its own), and the float16/bfloat16 scratch is counted by
     `_low_precision_gemm_scratch`. GPT-2 small's stock partitions peaked at a backward mm and the
     check over Inductor's schedule, less the per-op margin, was the measured peak to the byte."""
-    if node.target not in _LOW_PRECISION_GEMMS:
+    if node.target not in _GEMMS:
         return False
     operands = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[-2:]]
     try:
@@ -310,7 +310,7 @@ def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
         moved = sum(tensor_nbytes(i.meta.get("val")) for i in node.all_input_nodes)
         moved += tensor_nbytes(node.meta.get("val"))
         return moved // 2 if "backward" in name else moved // 16 + 16 * _KIB
-    if node.target in _LOW_PRECISION_GEMMS:
+    if node.target in _GEMMS:
         return _low_precision_gemm_scratch(node)
     if "convolution" not in name:
         return 0
