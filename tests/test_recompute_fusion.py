@@ -152,7 +152,10 @@ def test_the_model_of_inlined_values_agrees_with_the_check(monkeypatch_module, d
     value_bytes = max(after.nbytes)
     refined_error = abs(evaluate(fused, *recompute_all)[0] - check)
     assert refined_error <= 2 * value_bytes
-    assert evaluate(plain, *recompute_all)[0] - check > refined_error
+    # The plain model charges the chain's values as buffers: never closer than the refined one.
+    # (Not strictly farther: with the per-op margin gone at generated kernels (the check's), its
+    # calibration can land it on the check, as for d=48, depth=1, batch=8.)
+    assert evaluate(plain, *recompute_all)[0] - check >= refined_error
 
 
 @pytest.fixture(scope="module")
