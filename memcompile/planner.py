@@ -297,7 +297,6 @@ class StockSolution:
     added_time_s: float  # its recomputations, estimated, beyond those of the partition at 1.0
     held_bytes: int  # what it saves from forward to backward (views hold none)
     rows: tuple[Decision, ...]  # what it saves, as the plan lists it
-    solve_s: float = 0.0
     gap: float = 0.0
 
     @property
@@ -325,22 +324,21 @@ class StockPartitions:
         """The checked partition at `fraction`; None if it could not be made or checked. Its
         added time counts from plain Inductor (the partition at 1.0, which recomputes some
         pointwise ops too), as the solver's plans count from keep-all, which was no faster."""
-        made = self._made_at(fraction)
-        if made is None:
+        attempt = self._made_at(fraction)
+        if attempt is None:
             return None
-        attempt, recomputed_s = made
         base = self._made_at(1.0)
-        added = max(0.0, recomputed_s - base[1]) if base is not None else recomputed_s
+        recomputed_s = attempt.solution.added_time_s
+        added = max(0.0, recomputed_s - base.solution.added_time_s) if base is not None else recomputed_s
         return dataclasses.replace(attempt, solution=dataclasses.replace(attempt.solution, added_time_s=added))
 
-    def _made_at(self, fraction: float) -> tuple[_Attempt, float] | None:
+    def _made_at(self, fraction: float) -> _Attempt | None:
+        """The checked partition, its added time all its recomputations (not yet from 1.0)."""
         if fraction not in self._made:
             self._made[fraction] = self._make(fraction)
         return self._made[fraction]
 
-    def _make(self, fraction: float) -> tuple[_Attempt, float] | None:
-        """The partition, checked, and the estimated time of its recomputations."""
-        started = time.monotonic()
+    def _make(self, fraction: float) -> _Attempt | None:
         try:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
                                         num_fwd_outputs=self.num_fwd_outputs,
@@ -356,9 +354,7 @@ class StockPartitions:
         recomputed_s = sum(estimate_node_time_s(n, self.profile) for n in bw.graph.nodes
                            if n.op == "call_function" and n.name in self.forward_names)
         rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
-        solution = StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows,
-                                 solve_s=time.monotonic() - started)
-        return _Attempt(solution, fw, bw, timeline), recomputed_s
+        return _Attempt(StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
 
     def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
         """The partition at the largest of `fractions` (descending) whose checked peak fits.
@@ -366,11 +362,11 @@ class StockPartitions:
         plans), that is one partition and check instead of four (GPT-2 small: ~10 s each on a
         loaded core)."""
         smallest = self._made_at(fractions[-1])
-        if smallest is None or smallest[0].timeline.peak_bytes > budget:
+        if smallest is None or smallest.timeline.peak_bytes > budget:
             return None
         for fraction in fractions:
             made = self._made_at(fraction)
-            if made is not None and made[0].timeline.peak_bytes <= budget:
+            if made is not None and made.timeline.peak_bytes <= budget:
                 return self.at(fraction)
         return None
 
