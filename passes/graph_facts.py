@@ -266,6 +266,13 @@ _GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.ate
 # at 5.47 B. The cause is not read from oneDNN.
 _GEMM_SCRATCH_PER_ELEMENT = {torch.float16: 12, torch.bfloat16: 6}
 _GEMM_SCRATCH_FLOOR = {torch.float16: 20 * 1024, torch.bfloat16: 0}
+# Skinny GEMMs (a few rows or columns; oneDNN's GEMV-like kernels) allocate scratch per thread that
+# grows with the depth k alone, not with m x k + k x n: bfloat16 128 B per k (1x8192 @ 8192x1:
+# 1,050,624 B = 128 x 8192 + 2 KiB); float16 up to 330 B per k (16x100 @ 100x1: 37,056 B), never
+# above 297 KB (8x2048 @ 2048x2; its k is blocked). Allocator events, torch 2.13, this Xeon, 1,500
+# shapes with m 1-32, k 1-8192, n 1-300, mm/addmm/bmm: none above (rate x k, capped) + 8 KiB.
+_SKINNY_GEMM_SCRATCH_PER_K = {torch.float16: 340, torch.bfloat16: 128}
+_SKINNY_GEMM_SCRATCH_CAP = {torch.float16: 320 * 1024, torch.bfloat16: None}
 
 
 def _low_precision_gemm_scratch(node: fx.Node) -> int:
@@ -277,9 +284,12 @@ def _low_precision_gemm_scratch(node: fx.Node) -> int:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return 0
     m, k, n = size_value(a.shape[-2]), size_value(a.shape[-1]), size_value(b.shape[-1])
-    per_thread = min(max(_GEMM_SCRATCH_PER_ELEMENT[out.dtype] * (m * k + k * n + m * n),
-                         _GEMM_SCRATCH_FLOOR[out.dtype]),
-                     loss_ops.ONEDNN_SCRATCH_CAP_BYTES + 2048 * k)
+    blocked = min(max(_GEMM_SCRATCH_PER_ELEMENT[out.dtype] * (m * k + k * n + m * n),
+                      _GEMM_SCRATCH_FLOOR[out.dtype]),
+                  loss_ops.ONEDNN_SCRATCH_CAP_BYTES + 2048 * k)
+    skinny = _SKINNY_GEMM_SCRATCH_PER_K[out.dtype] * k
+    cap = _SKINNY_GEMM_SCRATCH_CAP[out.dtype]
+    per_thread = max(blocked, skinny if cap is None else min(skinny, cap))
     return torch.get_num_threads() * (per_thread + 8 * _KIB)
 
 
