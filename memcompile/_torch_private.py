@@ -481,7 +481,8 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
                                                           if b.name in unaligned else b for b in k.allocates))
                    for k in kernels]
         peak_estimate = _inductor_peak_estimate(graph)
-    return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate)
+    return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate,
+                            unaligned_inputs=frozenset(n for n in unaligned if n in graph.graph_inputs))
 
 
 def _cpp_call_groups(scheduler) -> list[int]:

@@ -293,15 +293,24 @@ def _low_precision_gemm_scratch(node: fx.Node) -> int:
     return torch.get_num_threads() * (per_thread + 8 * _KIB)
 
 
-def gemm_reads_operands_in_place(node: fx.Node) -> bool:
-    """A matrix multiply whose operands are contiguous or transposed-contiguous: BLAS reads them
-    as they are (no copy through the allocator); float32 GEMMs on CPU allocate nothing else
-    through it (MKL's buffers are its own). Not float16/bfloat16: their oneDNN scratch
-    (`_low_precision_gemm_scratch`) is a bound fitted to measurements, which CI found under once. GPT-2 small's stock partitions peaked at a backward mm and the
-    check over Inductor's schedule, less the per-op margin, was the measured peak to the byte."""
+def counted_exactly(node: fx.Node) -> bool:
+    """A library call whose transient memory kernel_workspace_bytes counts exactly (or from
+    above), so the check over Inductor's schedule needs no per-op margin there (at a partition's
+    measured peak, 4 KiB too many is a rejected plan):
+    - a float32 matrix multiply whose operands are contiguous or transposed-contiguous: BLAS
+      reads them as they are, and MKL's buffers are its own (GPT-2 small's stock partitions
+      peaked at a backward mm: predicted to the byte). Not float16/bfloat16: their oneDNN
+      scratch is a bound fitted to measurements;
+    - CPU flash attention in float32, forward or backward (_attention_workspace, exact on 250
+      random shapes; GPT-2's activation_memory_budget=0.8 partition peaks at one)."""
     out = node.meta.get("val")
+    name = str(getattr(node.target, "__name__", node.target))
+    if "_scaled_dot_product_flash_attention_for_cpu" in name:
+        query = node.args[1 if "backward" in name else 0]
+        query = query.meta.get("val") if isinstance(query, fx.Node) else None
+        return isinstance(query, torch.Tensor) and query.dtype == torch.float32
     if node.target not in _GEMMS or not isinstance(out, torch.Tensor) or out.dtype in _GEMM_SCRATCH_PER_ELEMENT:
-        return False  # float16/bfloat16: their scratch is a bound fitted from measurements; keep the margin
+        return False
     operands = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[-2:]]
     try:
         return len(operands) == 2 and all(
@@ -453,7 +462,7 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
             v_rows = (kv_seq - 1) // kv_split * _round_up(kv_split, 2) + _round_up((kv_seq - 1) % kv_split + 1, 2)
             total += batch * heads * (kv_seq * even_d + v_rows * _round_up(width, 2)) * itemsize
             total += threads * _round_up(kv_split, 2) * even_d * itemsize
-        return total + _KIB
+        return total + _attention_margin(query.dtype)
     per_thread = 2 * q_split * kv_split * (accum + (itemsize if reduced else 0)) + q_split * accum
     # cpublas hands bf16/fp16 GEMMs to oneDNN above 16^3 multiply-adds (both GEMMs: the block's)
     if reduced and onednn_gemm and q_split * kv_split * head_dim > 16 ** 3:
@@ -463,7 +472,14 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
     except Exception:  # noqa: BLE001 - symbolic strides: assume the copy
         contiguous = False
     copy = 0 if contiguous else tensor_nbytes(grad_out)
-    return threads * per_thread + copy + _KIB
+    return threads * per_thread + copy + _attention_margin(query.dtype)
+
+
+def _attention_margin(dtype: torch.dtype) -> int:
+    """float32: none, the count above is what the allocator sees (250 random shapes, 1 and 2
+    threads: exact at 1, up to 1 KiB over at 2); other dtypes keep 1 KiB (bf16/fp16's oneDNN
+    scratch is a fitted bound; float64 not measured)."""
+    return 0 if dtype == torch.float32 else _KIB
 
 
 def promotion_copy_bytes(node: fx.Node) -> int:

@@ -60,3 +60,7 @@ class InductorSchedule:
     # reuse by (empty: unknown, every reuse is assumed).
     peak_estimate: tuple[int, ...] = ()
     overall_peak_estimate: int = 0
+    # Graph inputs Inductor assumes unaligned (every CPU input: utils.should_assume_input_aligned).
+    # A result written in place over one inherits it (make_inplace), and with it a reuse key no
+    # aligned allocation matches: the wrapper frees it rather than holding it for one.
+    unaligned_inputs: frozenset[str] = frozenset()

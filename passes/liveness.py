@@ -22,7 +22,7 @@ from memcompile.passes.graph_facts import (
     fusion_facts,
     graph_device_type,
     kernel_workspace_bytes,
-    gemm_reads_operands_in_place,
+    counted_exactly,
     promotion_copy_bytes,
     wrapper_allocates,
     transient_bytes,
@@ -440,7 +440,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             origin = _node_named(graph, kernel.extern_origin)
             if origin is not None:
                 transient = kernel_workspace_bytes(origin, inductor=True) + promotion_copy_bytes(origin)
-                if gemm_reads_operands_in_place(origin):
+                if counted_exactly(origin):
                     margin = 0
         _record_step(steps, peak, live, phase, kernel.name, margin + transient)
 
@@ -453,6 +453,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
                 key = input_key(node)
                 if key is not None:
                     key_of[node.name] = key
+                    if node.name in schedule.unaligned_inputs:  # as this phase's graph sees it
+                        storages[key].aligned = False
         for kernel in schedule.kernels:
             for buf in kernel.allocates:
                 key = prefix + buf.name

@@ -181,6 +181,36 @@ def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
     assert steps[3] == x + KIB + 4 * KIB  # buf1 freed, buf3 in buf0's memory
 
 
+def test_a_result_written_over_an_unaligned_saved_tensor_is_not_held_for_an_aligned_allocation():
+    """Inductor assumes every CPU graph input unaligned (utils.should_assume_input_aligned), and a
+    result written in place over one inherits that (make_inplace): its reuse key matches no
+    aligned allocation, so the wrapper frees it. BERT small's activation_memory_budget=0.8
+    partition: such a buffer counted as held across the attention backward put the check
+    262,144 B over the measured peak (16,366,216 for 16,104,072), and the partition was
+    rejected at its own peak."""
+    fw = _graph({"primals_1": 1024}, [("out", 1), ("saved", 1024)])
+    fw_schedule = InductorSchedule((_kernel(0, [("buf0", 4)], ["primals_1"]),
+                                    _kernel(1, [("buf1", 4 * KIB)], ["primals_1"])), ("buf0", "buf1"))
+    bw = _graph({"saved": 1024, "tangents_1": 1024}, [("grad", 1024)])
+    kernels = (
+        _kernel(0, [("buf0", 4 * KIB)], ["tangents_1"]),
+        _kernel(1, [("buf1", 4 * KIB)], ["saved", "buf0"], in_place=[("buf1", "saved")]),  # buf0 dies: pooled
+        _kernel(2, [("buf2", KIB)], ["buf1"]),  # buf1 dies: unaligned, no aligned taker
+        _kernel(3, [("buf3", 4 * KIB)], ["buf2"]),  # takes buf0's memory
+        _kernel(4, [("buf4", 4 * KIB)], ["buf3"]),  # nothing aligned left: allocated anew
+    )
+
+    def backward_steps(unaligned):
+        bw_schedule = InductorSchedule(kernels, ("buf4",), unaligned_inputs=frozenset(unaligned))
+        timeline = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule, saved_names=("out", "saved"))
+        return [s.live_bytes for s in timeline.steps if s.phase == "backward"]
+
+    steps = backward_steps({"saved"})
+    assert steps[3] == steps[2] - 4 * KIB  # buf1 freed after k2; buf3 in buf0's held memory
+    # aligned (a GPU input at offset 0): the LIFO pool hands buf1 to buf3 and holds buf0 for buf4
+    assert backward_steps(set())[3] == steps[3] + 4 * KIB
+
+
 def test_a_tangent_stays_allocated_until_the_backward_returns():
     """AOTAutograd's backward receives the tangents as arguments, so they stay allocated through
     the whole backward although the graph reads them once (the wrapper's `del tangents_1` drops
