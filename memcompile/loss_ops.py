@@ -2,14 +2,18 @@
 
 `chunked_linear_cross_entropy(h, W, b, t, ignore_index, rows)` returns the summed cross-entropy
 of `h @ W.T + b` (in float32) against `t` over the tokens whose target is not `ignore_index`,
-and each token's log-sum-exp. Its backward recomputes each chunk's logits from `h` and `W`
-(one more head matmul than the unchunked backward) instead of keeping them.
+and that sum's gradients with respect to `h`, `W` and `b`, computed while each chunk's logits
+exist (the loss is a scalar: the backward only scales them by the incoming gradient). The same
+matmuls as the unchunked head, no logits kept and none recomputed. (Until 2026-11-30 the
+backward recomputed each chunk's logits: one more head matmul, 12-18% of a GPT-2 small step.)
 
 Why custom ops (torch.library) and not the same ops in the graph: Inductor fuses the chunks'
 pointwise kernels horizontally (they read the same targets and the same incoming gradient), which
 brings every chunk's logits back to life at once. An op is opaque to fusion: its chunks run one at
 a time, and the memory it needs while it runs is `workspace_bytes`: never less than the
-allocator's events, at most 8 KiB more in float32 (tests/test_loss_head.py). On CPUs with native
+allocator's events, at most 8 KiB more in float32 (tests/test_loss_head.py). Its cost is
+registered with torch.utils.flop_counter (three head matmuls), so the cost model charges a
+recomputation of it what it costs. On CPUs with native
 bf16 / float16 (AVX-512 BF16, AMX, AVX-512 FP16), the low precision head matmul runs in oneDNN,
 whose scratchpad (packed operand copies, per thread) is counted by `_onednn_matmul_scratch_bytes`.
 """
@@ -20,6 +24,7 @@ import contextlib
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from memcompile import _torch_private as tp
 
@@ -40,88 +45,75 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 @torch.library.custom_op("memcompile::chunked_linear_cross_entropy", mutates_args=())
 def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                  target: torch.Tensor, ignore_index: int, rows: int
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     with _without_autocast(h.device):
         return _forward(h, weight, bias, target, ignore_index, rows)
 
 
 def _forward(h, weight, bias, target, ignore_index, rows):
+    """(total, d total/d h, d total/d weight, d total/d bias): the gradients of the summed loss,
+    computed chunk by chunk while each chunk's logits exist (the loss is a scalar, so its
+    gradients need only be scaled by the incoming one in the backward). Without a bias the last
+    is an empty tensor (a custom op cannot return None)."""
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h)
+    # float32 accumulators for lower precision weights (as one unchunked matmul accumulates)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=weight.device)
+    weight_float = weight.float()  # the same tensor for float32 weights
+    # per token, once: whether it counts, its target (0 where it does not count) and its weight
+    # (1.0 or 0.0): per-chunk boolean indexing cost ~0.2 ms a chunk at 64 rows
+    counted_all = target != ignore_index
+    index_all = torch.where(counted_all, target, 0).unsqueeze(1)
+    weight_all = counted_all.to(torch.float32).unsqueeze(1)
     for start in range(0, h.shape[0], rows):
         stop = min(start + rows, h.shape[0])
-        logits = _chunk_logits(h[start:stop], weight, bias)
-        t = target[start:stop]
-        counted = t != ignore_index
-        picked = logits.gather(1, torch.where(counted, t, 0).unsqueeze(1)).squeeze(1)
-        # log-sum-exp in place: the chunk's logits are the only chunk-sized buffer
+        h_chunk, index, counted = h[start:stop], index_all[start:stop], weight_all[start:stop]
+        logits = _chunk_logits(h_chunk, weight, bias)
+        picked = logits.gather(1, index)
+        # softmax in place: the chunk's logits are the only chunk-sized buffer
         top = logits.amax(1, keepdim=True)
-        chunk_lse = logits.sub_(top).exp_().sum(1).log_().add_(top.squeeze(1))
-        lse[start:stop] = chunk_lse
-        total += torch.where(counted, chunk_lse - picked, 0.0).sum()
-        del logits  # before the next chunk's logits are allocated
-    return total, lse
+        sums = logits.sub_(top).exp_().sum(1, keepdim=True)
+        total += torch.where(counted_all[start:stop].unsqueeze(1), sums.log() + top - picked, 0.0).sum()
+        # d total / d logits = softmax - one_hot(target) on counted tokens, 0 on the others
+        grad_logits = logits.mul_(counted / sums).scatter_add_(1, index, -counted)
+        grad_h[start:stop] = (grad_logits @ weight_float).to(h.dtype)
+        grad_weight.addmm_(grad_logits.t(), h_chunk.float())
+        if bias is not None:
+            grad_bias += grad_logits.sum(0)
+        del logits, grad_logits  # before the next chunk's logits are allocated
+    return total, grad_h, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
 
 
 @chunked_linear_cross_entropy.register_fake
 def _(h, weight, bias, target, ignore_index, rows):
-    return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("memcompile::chunked_linear_cross_entropy_backward", mutates_args=())
-def chunked_linear_cross_entropy_backward(grad_total: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                                          bias: Optional[torch.Tensor], target: torch.Tensor, lse: torch.Tensor,
-                                          ignore_index: int, rows: int
-                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _without_autocast(h.device):
-        return _backward_chunks(grad_total, h, weight, bias, target, lse, ignore_index, rows)
-
-
-def _backward_chunks(grad_total, h, weight, bias, target, lse, ignore_index, rows):
-    grad_h = torch.empty_like(h)
-    # float32 accumulators for lower precision weights (as one unchunked matmul accumulates)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    # without a bias: an empty tensor (a custom op cannot return None)
-    grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=weight.device)
-    for start in range(0, h.shape[0], rows):
-        stop = min(start + rows, h.shape[0])
-        h_chunk, t = h[start:stop], target[start:stop]
-        # d total / d logits = softmax - one_hot(target), on counted tokens, in place of the logits
-        grad_logits = _chunk_logits(h_chunk, weight, bias).sub_(lse[start:stop].unsqueeze(1)).exp_()
-        counted = t != ignore_index
-        rows_counted = torch.arange(stop - start, device=h.device)[counted]
-        grad_logits[rows_counted, t[counted]] -= 1.0
-        grad_logits.mul_((counted.unsqueeze(1) * grad_total).to(torch.float32))
-        grad_h[start:stop] = (grad_logits @ weight.float()).to(h.dtype)
-        grad_weight.addmm_(grad_logits.t(), h_chunk.float())
-        if bias is not None:
-            grad_bias += grad_logits.sum(0)
-        del grad_logits  # before the next chunk's logits are allocated
-    return grad_h, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
-
-
-@chunked_linear_cross_entropy_backward.register_fake
-def _(grad_total, h, weight, bias, target, lse, ignore_index, rows):
-    return torch.empty_like(h), torch.empty_like(weight), weight.new_empty(weight.shape[0] if bias is not None else 0)
+    return (h.new_empty((), dtype=torch.float32), torch.empty_like(h), torch.empty_like(weight),
+            weight.new_empty(weight.shape[0] if bias is not None else 0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, weight, bias, target, ignore_index, rows = inputs
-    ctx.save_for_backward(h, weight, bias, target, output[1])
-    ctx.ignore_index, ctx.rows = ignore_index, rows
+    ctx.save_for_backward(*output[1:])
+    ctx.has_bias = inputs[2] is not None
 
 
-def _backward(ctx, grad_total, grad_lse):
-    h, weight, bias, target, lse = ctx.saved_tensors
-    grad_h, grad_weight, grad_bias = chunked_linear_cross_entropy_backward(
-        grad_total, h, weight, bias, target, lse, ctx.ignore_index, ctx.rows)
-    return grad_h, grad_weight, grad_bias if bias is not None else None, None, None, None
+def _backward(ctx, grad_total, *_unused):
+    # The loss is a scalar: its gradients, computed in the forward, scaled by the incoming one.
+    # (Inductor writes each product over the saved gradient, which dies there.)
+    grad_h, grad_weight, grad_bias = ctx.saved_tensors
+    return (grad_h * grad_total, grad_weight * grad_total, grad_bias * grad_total if ctx.has_bias else None,
+            None, None, None)
 
 
 chunked_linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 FORWARD = torch.ops.memcompile.chunked_linear_cross_entropy.default
-BACKWARD = torch.ops.memcompile.chunked_linear_cross_entropy_backward.default
+
+
+@register_flop_formula(torch.ops.memcompile.chunked_linear_cross_entropy)
+def _flops(h_shape, weight_shape, *_args, **_kwargs) -> int:
+    # the head matmul and its two gradient matmuls: what the cost model charges a recomputation
+    tokens, hidden = h_shape
+    return 6 * tokens * hidden * weight_shape[0]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -162,10 +154,9 @@ def _onednn_matmul_scratch_bytes(m: int, k: int, n: int, dtype: torch.dtype, dev
 def workspace_bytes(op: object, args: tuple) -> int:
     """Bytes the op allocates and frees inside itself, from its arguments' shapes and dtypes
     (fake tensors at planning time); 0 for other ops."""
-    if op not in (FORWARD, BACKWARD):
+    if op is not FORWARD:
         return 0
-    h, weight, bias = (args[0], args[1], args[2]) if op is FORWARD else (args[1], args[2], args[3])
-    rows = args[-1]
+    h, weight, bias, rows = args[0], args[1], args[2], args[-1]
     tokens, hidden = h.shape
     vocab = weight.shape[0]
     chunk = min(rows, tokens)
@@ -174,12 +165,11 @@ def workspace_bytes(op: object, args: tuple) -> int:
     # matmul runs (freed before the .float() copy), oneDNN's scratchpad
     onednn = _onednn_matmul_scratch_bytes(chunk, hidden, vocab, weight.dtype, h.device)
     logits = (chunk * vocab * weight.element_size() + max(chunk * vocab * 4, onednn)) if upcast else chunk * vocab * 4
-    if op is FORWARD:
-        # logits (and its low precision matmul result), targets mask, gathered index and picks
-        return logits + chunk * 32 + 128
-    extra = (vocab * hidden * 4 + chunk * hidden * 4) if upcast else 0  # float copies of W and h_chunk
-    # logits, mask/index, the float32 accumulators when W is not float32
+    # float copies of W and h's chunk, and the float32 accumulators, when W is not float32
+    extra = (vocab * hidden * 4 + chunk * hidden * 4) if upcast else 0
     accumulators = (vocab * hidden * 4 + (vocab * 4 if bias is not None else 0)) if upcast else 0
     # the chunk's gradient rows for h, then (freed by then) its column sum for the bias
     rows_or_sum = max(chunk * hidden * 4, vocab * 4 if bias is not None else 0)
-    return logits + rows_or_sum + extra + accumulators + chunk * 40 + 256
+    # per token: whether it counts, its index and weight (1 + 8 + 4 B); per chunk row: picks,
+    # maxima, sums and their combinations
+    return logits + rows_or_sum + extra + accumulators + tokens * 13 + chunk * 48 + 512

@@ -325,7 +325,7 @@ def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
     the graph runs as Inductor's code, which lays CPU convolutions out channels-last."""
     if node.op != "call_function":
         return 0
-    if node.target in (loss_ops.FORWARD, loss_ops.BACKWARD):
+    if node.target is loss_ops.FORWARD:
         args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
         return loss_ops.workspace_bytes(node.target, args)
     name = str(getattr(node.target, "__name__", node.target))

@@ -8,7 +8,7 @@ by token rows, one chunk's logits and their gradient exist at a time, and no log
 
 The rewrite works on Dynamo's graph (torch-level calls) before AOTAutograd: the head becomes one
 call of `memcompile.loss_ops.chunked_linear_cross_entropy` (a custom op: Inductor cannot fuse
-its chunks back together; its backward recomputes each chunk's logits), and for
+its chunks back together; it computes the gradients as it goes, the backward scales them), and for
 reduction="mean" a division by the count of targets not equal to `ignore_index`, which is
 exactly what PyTorch's mean reduction computes. Gradients equal the unchunked ones up to float
 reassociation of the sums over chunks.
