@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MARK = "PARETO_JSON:"
 FRACTIONS = (0.8, 0.6, 0.4, 0.2, 0.0)
+TARGET_LADDER = (1.25, 1.5)  # budgets = PyTorch's lowest peak at <= OVERHEAD added time / these
 LADDER = (0.65, 0.5)  # memcompile budgets as fractions of PyTorch's lowest measured peak (1/1.5 = 0.67)
 SAME_PEAK = 0.005  # PyTorch peaks this close share one memcompile run (0.03 merged amb=0.8 with 0.6, 1% apart)
 SKIP_ABOVE = 1.4  # no memcompile run at PyTorch peaks above this x plain Inductor's peak (eager's)
@@ -293,6 +294,11 @@ def run_model(model: str, args: argparse.Namespace, t0: float, sink, done: list[
     low = min(p for p, _ in pytorch_peaks)
     for f in LADDER:
         budgets.append((int(f * low), f"{f} x PyTorch's lowest"))
+    # Issue 6's target: 1.5x below PyTorch's lowest peak at <= 10% added step time (and halfway)
+    fast = [r["peak_bytes"] for r in recs if r.get("status") == "ok" and r["kind"] in PYTORCH_KINDS
+            and r["step_ratio"] <= 1 + OVERHEAD]
+    for f in TARGET_LADDER if fast else ():
+        budgets.append((int(min(fast) / f), f"PyTorch's lowest at <= {OVERHEAD:.0%} / {f}"))
     # memcompile's smallest feasible budget: a budget of 1 byte fails at once and reports it
     probe = go({"kind": "memcompile", "budget": 1, "why": "probe for min_feasible_bytes"})
     floor = probe.get("min_feasible_bytes")
