@@ -157,10 +157,12 @@ def child(spec: dict) -> dict:
         # Module state the compiled graph never reads (Llama's rotary_emb.original_inv_freq, 64 B)
         # is memory the budget's owner holds outside the step: reserve, as the budget's documented
         # semantics ask of a user. memcompile cannot see it (it is no input of the graph).
+        budget = spec["budget"]
         if rec["reserve_bytes"]:
             extra["reserve"] = rec["reserve_bytes"]
+            budget = max(budget, rec["reserve_bytes"] + 1)  # the 1-byte probe: its floor then includes the reserve
         try:
-            backend = memcompile.budget(spec["budget"], time_limit_s=spec["time_limit"], **extra)
+            backend = memcompile.budget(budget, time_limit_s=spec["time_limit"], **extra)
         except TypeError as e:
             return {**rec, "status": "unavailable", "error": str(e)}
         fn = torch.compile(var.module, backend=backend)
