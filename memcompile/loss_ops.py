@@ -98,7 +98,6 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_total, *_unused):
     # The loss is a scalar: its gradients, computed in the forward, scaled by the incoming one.
-    # (Inductor writes each product over the saved gradient, which dies there.)
     grad_h, grad_weight, grad_bias = ctx.saved_tensors
     return (grad_h * grad_total, grad_weight * grad_total, grad_bias * grad_total if ctx.has_bias else None,
             None, None, None)
