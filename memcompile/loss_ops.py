@@ -61,22 +61,23 @@ def _forward(h, weight, bias, target, ignore_index, rows):
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=weight.device)
     weight_float = weight.float()  # the same tensor for float32 weights
-    # per token, once: whether it counts, its target (0 where it does not count) and its weight
-    # (1.0 or 0.0): per-chunk boolean indexing cost ~0.2 ms a chunk at 64 rows
-    counted_all = target != ignore_index
-    index_all = torch.where(counted_all, target, 0).unsqueeze(1)
-    weight_all = counted_all.to(torch.float32).unsqueeze(1)
+    # per token (a column), once: whether it counts, its target (0 where it does not count) and
+    # its weight (1.0 or 0.0): per-chunk boolean indexing cost ~0.2 ms a chunk at 64 rows
+    counts_all = (target != ignore_index).unsqueeze(1)
+    index_all = torch.where(counts_all, target.unsqueeze(1), 0)
+    weight_all = counts_all.to(torch.float32)
     for start in range(0, h.shape[0], rows):
         stop = min(start + rows, h.shape[0])
-        h_chunk, index, counted = h[start:stop], index_all[start:stop], weight_all[start:stop]
+        h_chunk, index, counts, token_weight = h[start:stop], index_all[start:stop], counts_all[start:stop], \
+            weight_all[start:stop]
         logits = _chunk_logits(h_chunk, weight, bias)
         picked = logits.gather(1, index)
         # softmax in place: the chunk's logits are the only chunk-sized buffer
         top = logits.amax(1, keepdim=True)
         sums = logits.sub_(top).exp_().sum(1, keepdim=True)
-        total += torch.where(counted_all[start:stop].unsqueeze(1), sums.log() + top - picked, 0.0).sum()
+        total += torch.where(counts, sums.log() + top - picked, 0.0).sum()
         # d total / d logits = softmax - one_hot(target) on counted tokens, 0 on the others
-        grad_logits = logits.mul_(counted / sums).scatter_add_(1, index, -counted)
+        grad_logits = logits.mul_(token_weight / sums).scatter_add_(1, index, -token_weight)
         grad_h[start:stop] = (grad_logits @ weight_float).to(h.dtype)
         grad_weight.addmm_(grad_logits.t(), h_chunk.float())
         if bias is not None:
