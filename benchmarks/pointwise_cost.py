@@ -9,7 +9,7 @@ benchmarks/results/pointwise_cost.{json,md}. Session 11 (1 thread, 512 x 512, tw
 model said 48.6 us for every op; mul measured 53-59 us, tanh 100-112 us, erf 167 us, the tanh
 GELU (one aten op here) 478-484 us: transcendental pointwise work is compute-bound on this CPU,
 so recomputing a GELU chain is priced several times too low (issue 6 notes). Inside a plan the
-solver charges recomputed ops that Inductor inlines less still (11-16 us each on GPT-2 small:
+solver charges recomputed ops that Inductor inlines less still (14-20 us each on GPT-2 small:
 the `recomputed` column of benchmarks/results/pareto_small_s11.jsonl).
 """
 
