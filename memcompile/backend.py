@@ -16,9 +16,9 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.cost_models.device import blas_workspace_bytes
+from memcompile.cost_models.device import blas_workspace_bytes, profile_for
 from memcompile.passes.graph_facts import step_device
-from memcompile.passes.loss_head import LossHead, chunk_loss_heads
+from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
@@ -155,6 +155,7 @@ class _Region:
     def __init__(self, backend: "Backend", gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         self.backend = backend
         self.loss_heads: tuple[LossHead, ...] = ()
+        self.chunk_reason = ""  # why chunk_loss="auto" chunked them (for the plan)
         if backend.options.chunk_loss is True:
             gm, self.loss_heads = chunk_loss_heads(gm)
         self.gm = gm
@@ -197,17 +198,60 @@ class _Region:
         except InfeasibleBudgetError as error:
             if backend.options.chunk_loss != "auto" or self.loss_heads or not self._chunk_loss_heads():
                 raise
+            self.chunk_reason = "no plan fits with the head whole"
             log.info("memcompile: no plan fits with the loss head whole (min %s); chunking it: %s",
                      format_bytes(error.min_feasible_bytes), "; ".join(h.describe() for h in self.loss_heads))
             try:
                 self._first = self._plan_for_position(position, outside, compile_for)
             except InfeasibleBudgetError as chunked_error:
                 raise chunked_error if chunked_error.min_feasible_bytes <= error.min_feasible_bytes else error
+        else:
+            if not cautious and backend.options.chunk_loss == "auto":
+                self._chunk_if_faster(position, outside, compile_for,
+                                      backend.options.device or step_device(example_inputs))
         # Counted once compiled: a compile Dynamo abandons (it restarts its analysis from inside
         # the backend, e.g. TensorifyScalarRestartAnalysis under dynamic=True) is never called,
         # and counting it made the retried compile of a one-region step cautious (its least peak).
         backend.compiled_ahead += 1
         self._current = (self._first, outside)
+
+    def _chunk_if_faster(self, position: int, outside: int, compile_for: Callable[[int], _Variant],
+                         device: str) -> None:
+        """chunk_loss="auto" where the plan with the head whole fits by recomputing: plan the
+        chunked head too, and keep it if its recomputation plus what chunking itself costs is
+        estimated less. Chunked, the logits are never held whole, so the rest of the step has
+        more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4 partition with the head whole ran
+        1.15x the step, the chunked head with the 0.8 partition 1.04x; benchmarks/pareto.py).
+        Costs one more compile, only where the whole head's plan recomputes more than chunking costs."""
+        whole = self._first
+        plan = whole.plan if whole is not None else None
+        if plan is None or self.loss_heads or plan.added_time_s <= 0:
+            return
+        heads = find_loss_heads(self.gm.graph)
+        chunking_s = sum(h.added_time_s(profile_for(device)) for h in heads)
+        if not heads or plan.added_time_s <= chunking_s:
+            return
+        saved = (self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason)
+        self._chunk_loss_heads()
+        self.chunk_reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms with the head whole, "
+                             f"chunking ~{chunking_s * 1e3:.2f} ms plus this plan's recomputation")
+        try:
+            chunked = self._plan_for_position(position, outside, compile_for)
+        except InfeasibleBudgetError:
+            chunked = None
+        if chunked is not None and chunked.plan is not None and chunked.plan.added_time_s + chunking_s < plan.added_time_s:
+            log.info("memcompile: chunking the loss head (%s): %s", self.chunk_reason,
+                     "; ".join(h.describe() for h in self.loss_heads))
+            self._first = chunked
+            self._forget_plan(plan)
+            return
+        self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = saved
+        if chunked is not None and chunked.plan is not None:
+            self._forget_plan(chunked.plan)
+
+    def _forget_plan(self, plan: Plan) -> None:
+        """Drop the plan of a compile this region does not use from the backend's list."""
+        self.backend.plans[:] = [p for p in self.backend.plans if p is not plan]
 
     def _chunk_loss_heads(self) -> bool:
         """Chunk this region's loss heads (passes/loss_head.py) for every later compile; False
@@ -225,7 +269,8 @@ class _Region:
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it.
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
-        record = _CompileRecord(request=request, graph_rewrites=tuple(h.describe() for h in self.loss_heads))
+        reason = f" ({self.chunk_reason})" if self.chunk_reason else ""
+        record = _CompileRecord(request=request, graph_rewrites=tuple(h.describe() + reason for h in self.loss_heads))
         token = _RECORD.set(record)
         try:
             with planning_sizes(self.sizes):

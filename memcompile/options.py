@@ -73,7 +73,7 @@ class Options:
     # backend from the first graph's inputs; cost_models/device.py blas_workspace_bytes).
     library_workspace_bytes: int = 0
     # Chunk linear -> cross_entropy loss heads by token rows (passes/loss_head.py): "auto" when no
-    # plan fits without it, True always, False never.
+    # plan fits without it or it is estimated faster (memcompile/backend.py), True always, False never.
     chunk_loss: bool | str = "auto"
 
     @property
@@ -129,7 +129,7 @@ def make_options(limit: object, **overrides: object) -> Options:
     chunk_loss = overrides.pop("chunk_loss", "auto")
     if not (isinstance(chunk_loss, bool) or chunk_loss == "auto"):
         raise ValueError(f"chunk_loss={chunk_loss!r}: expected 'auto' (the default: chunk a linear -> cross_entropy "
-                         "loss head when no plan fits without it), True (always) or False (never)")
+                         "loss head when no plan fits without it or chunking is estimated faster), True (always) or False (never)")
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
                    None if offload == "auto" else offload, None if link is None else float(link),
                    chunk_loss=chunk_loss)

@@ -31,6 +31,7 @@ from torch import fx
 
 from memcompile import loss_ops
 from memcompile._torch_private import linear_ops
+from memcompile.cost_models.device import DeviceProfile
 
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
@@ -38,6 +39,13 @@ _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 _CHUNK_LOGITS_OVER_HIDDEN = 2
 _MAX_CHUNKS = 16
 _MIN_CHUNK_ROWS = 16
+# What the chunked op (memcompile/loss_ops.py) costs beyond the whole head, which the compiler
+# fuses: per chunk ~14 separately launched ops (the matmuls, the softmax's max / sub / exp / sum,
+# the loss terms, the gradient's scale and one-hot, the bias sum), and ~4 more passes over the
+# float32 logits than the fused head makes (the op: ~12 over each chunk; Inductor's whole head:
+# the matmul's write, the loss's reductions, the gradient's read and write, the matmuls' reads).
+_OPS_PER_CHUNK = 14
+_EXTRA_LOGITS_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,15 @@ class LossHead:
     def describe(self) -> str:
         return (f"loss head {self.cross_entropy}: linear -> cross_entropy over {self.vocab} classes, "
                 f"{self.tokens} tokens, chunked into {self.chunks} (reduction={self.reduction})")
+
+    def added_time_s(self, profile: DeviceProfile) -> float:
+        """Estimated step time the chunked head adds over the whole head (the same matmuls; its
+        small ops run unfused): what chunk_loss="auto" weighs against the recomputation chunking
+        saves. GPT-2 small (8 chunks of 64 x 2048): 0.6 ms estimated on this CPU, about 2.5% of
+        the step (benchmarks/chunk_loss_cost.py)."""
+        logits_bytes = self.tokens * self.vocab * 4
+        return (self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s
+                + _EXTRA_LOGITS_PASSES * logits_bytes / profile.memory_bytes_per_s)
 
 
 def _static_shape(node: fx.Node) -> tuple[int, ...] | None:

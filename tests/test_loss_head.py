@@ -1,5 +1,6 @@
 """Chunking linear -> cross_entropy loss heads (passes/loss_head.py): same loss and gradients as
-the whole head, a lower least peak, and the backend applies it only where it is needed ("auto")."""
+the whole head, a lower least peak, and the backend applies it where it is needed or estimated
+faster ("auto")."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 import memcompile
 from memcompile import loss_ops
+from memcompile.cost_models.device import profile_for
 from memcompile.passes.loss_head import chunk_loss_heads, find_loss_heads
 
 
@@ -158,7 +160,7 @@ def _head_bound_lm() -> tuple[TinyLM, torch.Tensor]:
     return model, torch.randint(0, 1024, (4, 128))
 
 
-def test_auto_chunks_the_head_only_when_no_plan_fits_without_it() -> None:
+def test_auto_chunks_the_head_where_no_plan_fits_without_it() -> None:
     model, ids = _head_bound_lm()
     whole_floor, keep_all = budget_range(model, ids, chunk_loss=False)
     chunked_floor, _ = budget_range(model, ids, chunk_loss=True)
@@ -192,6 +194,45 @@ def test_auto_chunks_the_head_only_when_no_plan_fits_without_it() -> None:
     backend, compiled = compile_under(model, keep_all)
     compiled(ids).backward()
     assert all(not p.graph_rewrites for p in backend.plans)
+
+
+def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing() -> None:
+    # wide layers (512 x 256 activations) before a 2048-class head: with the head whole, budgets
+    # below keep-all are met by recomputing those layers, which chunking the head may avoid
+    torch.manual_seed(0)
+    model = TinyLM(vocab=2048, hidden=256, depth=4, bias=True, upcast=False, reduction="mean", ignore_index=-100)
+    ids = torch.randint(0, 2048, (4, 128))
+    whole_floor, keep_all = budget_range(model, ids, chunk_loss=False)
+    (head,) = find_loss_heads(_captured_graph(model, ids).graph)
+    chunking_s = head.added_time_s(profile_for("cpu"))
+    assert chunking_s > 0
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(ids))
+    chose = set()
+    for budget in (keep_all - (keep_all - whole_floor) // 20, whole_floor + (keep_all - whole_floor) // 4):
+        added = {}
+        for form in (False, True):
+            torch.compiler.reset()
+            backend, compiled = compile_under(model, budget, chunk_loss=form)
+            compiled(ids).backward()
+            added[form] = backend.plans[0].added_time_s
+        chunk = added[False] > chunking_s and added[True] + chunking_s < added[False]
+        torch.compiler.reset()
+        backend, compiled = compile_under(model, budget)
+        got = grads(params, lambda: compiled(ids))
+        (plan,) = backend.plans  # the plan not chosen is not listed
+        assert bool(plan.graph_rewrites) == chunk
+        assert plan.added_time_s == added[chunk]
+        if chunk:
+            assert "estimated faster" in plan.graph_rewrites[0]
+        for g, want in zip(got, eager):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+        model.zero_grad(set_to_none=True)  # as planned: the step starts without gradients
+        measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
+        assert measured.peak_bytes <= budget
+        chose.add(chunk)
+    torch.compiler.reset()
+    assert chose == {False, True}  # the budgets above exercise both outcomes
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, "always"])
