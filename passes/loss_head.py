@@ -78,8 +78,9 @@ class LossHead:
     def added_time_s(self, profile: DeviceProfile) -> float:
         """Estimated step time the chunked head adds over the whole head (the same matmuls; its
         small ops run unfused): what chunk_loss="auto" weighs against the recomputation chunking
-        saves. GPT-2 small (8 chunks of 64 x 2048): 0.6 ms estimated on this CPU, about 2.5% of
-        the step (benchmarks/chunk_loss_cost.py)."""
+        saves. GPT-2 small (4 chunks of 128 x 2048): ~0.5 ms estimated on this CPU; measured
+        0.1-0.3 ms (0-1% of the step: the chunked keep-all rows of
+        benchmarks/results/pareto_small_s12.md, and one interleaved comparison)."""
         logits_bytes = self.tokens * self.vocab * 4
         return (self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s
                 + _EXTRA_LOGITS_PASSES * logits_bytes / profile.memory_bytes_per_s)
