@@ -45,6 +45,8 @@ def apply_plan(
     if reload_anchors:  # the graphs' order is final now: prefetch the reloads, pin the transfers
         issue_reloads_early(bw, reload_anchors)
         pin_reload_order(bw)
+    # so Inductor computes each recomputation where the rewrite put it (_torch_private.RECOMPUTED)
+    tp.mark_recomputed(bw, {n.name for n in analysis.forward_nodes})
     return fw, bw
 
 

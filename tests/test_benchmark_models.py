@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import memcompile  # noqa: E402
 from hf_models import MODELS, build  # noqa: E402
+from pareto import unread_module_bytes  # noqa: E402
 
 
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -96,3 +97,38 @@ def test_pareto_pairs_a_pytorch_peak_with_the_floor_run_when_its_group_fell_belo
     else:
         assert "mc_peak" not in amb04
     assert "mc_peak" not in pairs["inductor amb=0.8"]  # its peak is below the floor: no run may stand in
+
+
+@pytest.mark.inductor
+def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
+    """Llama's layers read the same saved RoPE cos/sin: Inductor fused layer 0's recomputed keys
+    with layer 1's and ran them at the top of the backward. With recomputations kept where the
+    rewrite puts them (_torch_private.limit_recompute_fusion) the smallest budget is lower, and a
+    plan at it is measured within it."""
+    from memcompile import _torch_private as tp
+
+    def floor() -> int:
+        torch.compiler.reset()
+        bench = build("llama", "tiny")
+        compiled = torch.compile(bench.module, backend=memcompile.budget(1, time_limit_s=5))
+        with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+            compiled(*bench.inputs)
+        return info.value.min_feasible_bytes
+
+    limited = floor()
+    monkeypatch.setattr(tp, "RECOMPUTE_FUSION_DISTANCE", 10**9)  # Inductor's own rule only
+    unlimited = floor()
+    monkeypatch.undo()
+    assert limited < unlimited
+    torch.compiler.reset()
+    bench = build("llama", "tiny")
+    # rotary_emb.original_inv_freq: module state no graph reads, held outside the step (reserve)
+    reserve = unread_module_bytes(bench.module, bench.inputs)
+    budget = limited + reserve
+    compiled = torch.compile(bench.module, backend=memcompile.budget(budget, reserve=reserve, time_limit_s=5))
+    compiled(*bench.inputs).backward()
+    bench.module.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(lambda: compiled(*bench.inputs).backward(),
+                                       live_at_start=[bench.module, *bench.inputs])
+    assert measured.peak_bytes <= budget
+    torch.compiler.reset()
