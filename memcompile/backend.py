@@ -221,7 +221,8 @@ class _Region:
         chunked head too, and keep it if its recomputation plus what chunking itself costs is
         estimated less. Chunked, the logits are never held whole, so the rest of the step has
         more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4 partition with the head whole ran
-        1.15x the step, the chunked head with the 0.8 partition 1.04x; benchmarks/pareto.py).
+        1.11x the step, the chunked head with the 0.8 partition 1.05x;
+        benchmarks/results/pareto_small_s12.md).
         Costs one more compile, only where the whole head's plan recomputes more than chunking costs."""
         whole = self._first
         plan = whole.plan if whole is not None else None
