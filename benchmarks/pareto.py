@@ -237,9 +237,9 @@ def run_child(spec: dict, args: argparse.Namespace) -> dict:
     except subprocess.TimeoutExpired:
         return {**spec, "status": "timeout", "child_wall_s": time.perf_counter() - t0}
     wall = time.perf_counter() - t0
-    # The 1-minute load average around the child: ~threads when the machine ran nothing else. Other
-    # work slows memory-bound kernels (recomputation) more than the baseline's, so interleaved ratios
-    # do not cancel it (session 11: GPT-2's 10.02 MiB plan measured 1.172 under load, 1.087 quiet).
+    # The 1-minute load average around the child: ~threads when the machine ran nothing else.
+    # Interleaving does not make the ratios immune to other work (session 11's run shared the
+    # machine with the test suite and its memcompile ratios came out higher than later quiet runs).
     load = {"load_before": load_before, "load_after": os.getloadavg()[0]}
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):

@@ -112,8 +112,8 @@ def extract_forward_backward(
 # fused with layer 1's (they read the same saved RoPE cos/sin and masks) and so computed at the
 # top of the backward, held across layer 1's. Inductor refuses such fusions only for nodes more
 # than 64 apart (Scheduler.are_long_distant_nodes); for marked nodes we refuse them beyond
-# RECOMPUTE_FUSION_DISTANCE. Llama small's smallest budget: 10.26 MiB with Inductor's rule,
-# 9.73 MiB at 16, 9.26 MiB at 4 (every horizontal fusion limited, while measuring it).
+# RECOMPUTE_FUSION_DISTANCE. Llama small's smallest budget: 10.26 MiB with Inductor's rule alone
+# (the distance set to 10**9), 9.26 MiB with the limit (benchmarks/pareto.py probe child).
 RECOMPUTED = "memcompile_recomputed"
 RECOMPUTE_FUSION_DISTANCE = 4
 
