@@ -37,7 +37,8 @@ _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
 # that the loss head stops being the floor, large enough that the matmuls stay efficient. GPT-2
 # small (hidden 128, vocabulary 2048, 512 tokens), compiled, steady state, one thread: 8 chunks
-# (factor 2) added 5% to the step, 4 chunks (4) 1%, 2 chunks (8) 0.4%; the smallest budget with
+# (factor 2) added 4-5% to the step, 4 chunks (4) 1-2%, 2 chunks (8) 0.4-1%, within a noise of
+# ~1% (benchmarks/chunk_count_speed.py); the smallest budget with
 # 4 chunks was no higher than with 8 on GPT-2, BERT and Llama small (8.95, 9.56, 10.26 MiB), and
 # with 2 higher on GPT-2 and Llama (9.37, 10.54 MiB).
 _CHUNK_LOGITS_OVER_HIDDEN = 4
