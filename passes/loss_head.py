@@ -38,9 +38,10 @@ _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # that the loss head stops being the floor, large enough that the matmuls stay efficient. GPT-2
 # small (hidden 128, vocabulary 2048, 512 tokens), compiled, steady state, one thread: 8 chunks
 # (factor 2) added 4-5% to the step, 4 chunks (4) 1-2%, 2 chunks (8) 0.4-1%, within a noise of
-# ~1% (benchmarks/chunk_count_speed.py); the smallest budget with
-# 4 chunks was no higher than with 8 on GPT-2, BERT and Llama small (8.95, 9.56, 10.26 MiB), and
-# with 2 higher on GPT-2 and Llama (9.37, 10.54 MiB).
+# ~1% (benchmarks/chunk_count_speed.py). The smallest budget with 4 chunks was no higher than
+# with 8 on GPT-2, BERT and Llama small (8.95, 9.56, 10.26 MiB, before the recompute fusion limit
+# of _torch_private), and with 2 higher on GPT-2 and Llama (9.37, 10.54 MiB): the pareto.py probe
+# child (budget 1) with this constant set before the compile.
 _CHUNK_LOGITS_OVER_HIDDEN = 4
 _MAX_CHUNKS = 16
 _MIN_CHUNK_ROWS = 16
@@ -80,8 +81,8 @@ class LossHead:
         """Estimated step time the chunked head adds over the whole head (the same matmuls; its
         small ops run unfused): what chunk_loss="auto" weighs against the recomputation chunking
         saves. GPT-2 small (4 chunks of 128 x 2048): ~0.5 ms estimated on this CPU; measured
-        0.1-0.3 ms (0-1% of the step: the chunked keep-all rows of
-        benchmarks/results/pareto_small_s12.md, and one interleaved comparison)."""
+        0-2% of a ~26 ms step, within ~1% noise (benchmarks/chunk_count_speed.py; the chunked
+        keep-all rows of benchmarks/results/pareto_small_s12.md)."""
         logits_bytes = self.tokens * self.vocab * 4
         return (self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s
                 + _EXTRA_LOGITS_PASSES * logits_bytes / profile.memory_bytes_per_s)
