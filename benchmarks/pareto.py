@@ -380,14 +380,23 @@ def mib(n) -> str:
 
 def noise_of(recs: list[dict]) -> dict:
     """Spread of plain-vs-plain step ratios (the baseline timed twice in every child, and the
-    plain-Inductor children) and of the baseline's medians across children."""
+    plain-Inductor children) and of the baseline's medians across children.
+
+    Two kinds: the baseline against itself in one child (the same compiled code) and a plain-Inductor
+    child's variant against its baseline (two compiled copies of the same graphs, as every other
+    child compares). The second also varies between processes (buffer placement): the same
+    memcompile plan measured 1.032 and 1.069 in two s12 children. The tolerance takes the larger."""
     same = [r["noise_ratio"] for r in recs if r.get("status") == "ok" and "noise_ratio" in r]
-    same += [r["step_ratio"] for r in recs if r["kind"] == "inductor" and r.get("status") == "ok"]
+    copies = [r["step_ratio"] for r in recs if r["kind"] == "inductor" and r.get("status") == "ok"]
     base = [r["baseline_step_s"] for r in recs if r.get("status") == "ok"]
-    dev = sorted(abs(x - 1) for x in same)
-    # tolerance: the 90th percentile of |plain/plain - 1| (the max is one outlier step on a shared machine)
-    tol = dev[min(len(dev) - 1, int(0.9 * len(dev)))] if dev else float("nan")
-    return {"plain_vs_plain_ratios": same, "ratio_noise": tol, "ratio_noise_max": max(dev, default=float("nan")),
+    dev = sorted(abs(x - 1) for x in same + copies)
+    # within children: the 90th percentile of |plain/plain - 1| (the max is one outlier step on a shared machine)
+    within = dev[min(len(dev) - 1, int(0.9 * len(dev)))] if dev else float("nan")
+    # between compiled copies: the largest deviation of the plain-Inductor children (--baseline-repeats)
+    copy_noise = max((abs(x - 1) for x in copies), default=0.0)
+    tol = max(within, copy_noise)
+    return {"plain_vs_plain_ratios": same + copies, "copy_ratios": copies, "within_child_noise": within,
+            "copy_noise": copy_noise, "ratio_noise": tol, "ratio_noise_max": max(dev, default=float("nan")),
             "baseline_step_cv": statistics.pstdev(base) / statistics.mean(base) if len(base) > 1 else float("nan"),
             "baseline_step_min_s": min(base, default=float("nan")), "baseline_step_max_s": max(base, default=float("nan")),
             "max_load": max((max(r["load_before"], r["load_after"]) for r in recs if "load_before" in r), default=None)}
@@ -464,7 +473,10 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
         out.append(f"\n## {model} ({args.size}: {first.get('n_params', 0):,} params)\n")
         out.append(f"Noise: {len(nz['plain_vs_plain_ratios'])} plain-vs-plain step ratios (each child times the "
                    f"baseline twice; plus the plain-Inductor children): 90th percentile of |ratio - 1| = "
-                   f"{nz['ratio_noise']:.3f}, max {nz['ratio_noise_max']:.3f}; plain step median over all children "
+                   f"{nz['within_child_noise']:.3f}, max {nz['ratio_noise_max']:.3f}; "
+                   f"{len(nz['copy_ratios'])} plain-Inductor child(ren) (two compiled copies each): ratios "
+                   f"{', '.join(f'{x:.3f}' for x in nz['copy_ratios'])}, largest |ratio - 1| {nz['copy_noise']:.3f}; "
+                   f"tolerance (the larger) {nz['ratio_noise']:.3f}; plain step median over all children "
                    f"{nz['baseline_step_min_s'] * 1e3:.0f}-{nz['baseline_step_max_s'] * 1e3:.0f} ms "
                    f"(CV {nz['baseline_step_cv']:.2f})"
                    + (f"; highest 1-minute load average around a child {nz['max_load']:.2f} ({args.threads} "
@@ -576,7 +588,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per child (median), after a warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=10.0, help="memcompile solver time_limit_s")
-    ap.add_argument("--baseline-repeats", type=int, default=1, help="plain-Inductor children per model (noise)")
+    ap.add_argument("--baseline-repeats", type=int, default=3,
+                    help="plain-Inductor children per model (the noise between compiled copies)")
     ap.add_argument("--child-timeout", type=float, default=900.0)
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--report-only", action="store_true", help="rebuild .md/.png from the .jsonl")
