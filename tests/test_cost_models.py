@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.cost_models.device import DATASHEET_PROFILES, blas_workspace_bytes, blas_workspace_bytes_for
-from memcompile.cost_models.node_cost import estimate_node_time_s
+from memcompile.cost_models.device import DATASHEET_PROFILES, DeviceProfile, blas_workspace_bytes, blas_workspace_bytes_for
+from memcompile.cost_models.node_cost import estimate_node_time_s, node_bytes_moved
 
 
 def _mm_node(dtype: torch.dtype, n: int):
@@ -108,3 +111,100 @@ def test_library_workspaces_enter_the_reserve_and_the_smallest_budget(monkeypatc
     assert plan.library_workspace_bytes == 2**20 and plan.reserve_bytes == 2**20
     assert plan.predicted_peak_bytes <= plan.step_budget_bytes == without
     assert "cuBLAS workspaces 1.00 MiB" in memcompile.dump(backend)
+
+
+ATTENTION_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+ATTENTION_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+PLAIN_PROFILE = DeviceProfile("test", matmul_flops_per_s=1e11, memory_bytes_per_s=1e10, host_link_bytes_per_s=0.0,
+                              op_overhead_s=2e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 4), heads=st.integers(1, 8), seq=st.sampled_from([1, 16, 100, 128, 512]),
+       kv_seq=st.sampled_from([None, 7, 64, 300]), head_dim=st.sampled_from([16, 32, 64, 80]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), causal=st.booleans())
+def test_cpu_attention_is_timed_by_its_matmuls_forward_and_backward(batch, heads, seq, kv_seq, head_dim, dtype,
+                                                                   causal):
+    """torch's flop counter has no formula for the CPU attention kernels, so recomputing attention
+    was priced as a memory-bound op (Llama small: 8 us estimated, 0.43-0.46 ms measured a call).
+    Forward: scores and weighted values, 2 * pairs * (d + dv) FLOPs; backward: 2 * pairs *
+    (3 d + 2 dv); timed at the matmul rate of the result dtype. Causal is not discounted."""
+    kv_seq = seq if causal or kv_seq is None else kv_seq
+    q = torch.empty(batch, heads, seq, head_dim, dtype=dtype)
+    k, v = (torch.empty(batch, heads, kv_seq, head_dim, dtype=dtype) for _ in range(2))
+    pairs = batch * heads * seq * kv_seq
+
+    def forward(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    traced = make_fx(forward, tracing_mode="fake")(q, k, v)
+    (node,) = [n for n in traced.graph.nodes if n.target == ATTENTION_CPU]
+    rate = PLAIN_PROFILE.matmul_rate(dtype)
+    expected = 2 * pairs * 2 * head_dim / rate
+    assert estimate_node_time_s(node, PLAIN_PROFILE) - PLAIN_PROFILE.op_overhead_s == pytest.approx(
+        max(expected, node_bytes_moved(node) / PLAIN_PROFILE.memory_bytes_per_s))
+
+    out = torch.empty(batch, heads, seq, head_dim, dtype=dtype)
+    lse = torch.empty(batch, heads, seq, dtype=torch.float32)
+    traced = make_fx(lambda g, q, k, v, o, l: ATTENTION_CPU_BACKWARD(g, q, k, v, o, l, 0.0, causal),
+                     tracing_mode="fake")(out, q, k, v, out, lse)
+    (node,) = [n for n in traced.graph.nodes if n.target == ATTENTION_CPU_BACKWARD]
+    expected = 2 * pairs * 5 * head_dim / rate
+    assert estimate_node_time_s(node, PLAIN_PROFILE) - PLAIN_PROFILE.op_overhead_s == pytest.approx(
+        max(expected, node_bytes_moved(node) / PLAIN_PROFILE.memory_bytes_per_s))
+
+
+def test_recomputing_attention_costs_its_kernel_in_the_plan(monkeypatch):
+    """End to end: in an attention block's analysis the attention output (a getitem of the
+    kernel's tuple) costs, to recompute, at least the forward kernel's matmuls at the profile's
+    rate; before the formula it cost one op overhead, and the solver recomputed attention first."""
+    from budget_helpers import spy_analyses
+
+    seen = spy_analyses(monkeypatch)
+    monkeypatch.setattr(memcompile.planner, "profile_for", lambda device: PLAIN_PROFILE)
+    batch, seq, dim, heads = 2, 64, 32, 4
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            q, k, v = (t.view(batch, seq, heads, dim // heads).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(y.transpose(1, 2).reshape(batch, seq, dim)).square().sum()
+
+    x = torch.randn(batch, seq, dim)
+    torch.compile(Attention(), backend=memcompile.budget(10**9, codegen="aot_eager"))(x).backward()
+    (analysis,) = seen
+    attention = [i for i, c in enumerate(analysis.candidates)
+                 if c.target is operator.getitem and c.args[0].target == ATTENTION_CPU and c.args[1] == 0]
+    assert attention, "no attention output among the candidates"
+    kernel_s = 2 * batch * heads * seq * seq * 2 * (dim // heads) / PLAIN_PROFILE.matmul_rate(torch.float32)
+    for i in attention:
+        assert analysis.problem.recompute_cost_s[i] >= kernel_s
+
+
+def test_attention_log_sum_exp_is_kept_where_memory_allows(monkeypatch):
+    """The log-sum-exp of attention is a forward value only the backward reads. It was classed
+    as computed in the backward (unkeepable), so every solver plan, keep-all included, re-ran
+    attention in the backward to get it; with room to keep everything nothing is recomputed."""
+    from budget_helpers import spy_analyses
+
+    seen = spy_analyses(monkeypatch)
+    batch, seq, dim, heads = 2, 32, 32, 4
+    qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def block(x):
+        q, k, v = (t.view(batch, seq, heads, dim // heads).transpose(1, 2) for t in qkv(x).chunk(3, -1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+    backend = memcompile.budget(10**9, codegen="aot_eager")
+    torch.compile(block, backend=backend)(torch.randn(batch, seq, dim)).backward()
+    (analysis,) = seen
+    (lse,) = [i for i, c in enumerate(analysis.candidates)
+              if c.target is operator.getitem and c.args[0].target == ATTENTION_CPU and c.args[1] == 1]
+    assert analysis.problem.can_keep[lse], analysis.cannot_keep_reason[lse]
+    choices = {d.name: d.choice for d in backend.plans[0].decisions}
+    assert choices[analysis.candidates[lse].name] == "keep"
+    assert "recompute" not in choices.values(), choices
