@@ -268,7 +268,8 @@ def summary_line(r: dict) -> str:
         if "budget" in r:
             extra = f" budget {r['budget']:,} ok={r['budget_ok']} pred {r.get('predicted_peak_bytes')}"
         return (f"peak {r['peak_bytes']:,} B, ratio {r['step_ratio']:.3f} ({r['step_s'] * 1e3:.0f} ms), "
-                f"grad rel {r['grad_max_rel']:.1e}{extra}, wall {r['child_wall_s']:.0f}s")
+                f"grad rel {r.get('grad_rel_global', float('nan')):.1e} (largest element {r['grad_max_rel']:.1e})"
+                f"{extra}, wall {r['child_wall_s']:.0f}s")
     if st == "infeasible":
         return f"infeasible, min_feasible {r['min_feasible_bytes']:,} B"
     return f"{st}: {r.get('error') or r.get('stderr_tail', '')[-600:]}"
