@@ -379,6 +379,33 @@ def mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def stock_fraction(r: dict) -> float | None:
+    """The activation_memory_budget fraction of PyTorch's partition a record runs (plain Inductor:
+    1.0; a memcompile plan that chose one of PyTorch's partitions: its fraction), else None."""
+    if r["kind"] == "inductor":
+        return 1.0
+    if r["kind"] == "inductor_amb":
+        return r["fraction"]
+    status = r.get("solver_status") or ""
+    if r["kind"] == "memcompile" and status.startswith("stock_partition (activation_memory_budget="):
+        return float(status.split("=")[1].rstrip(")"))
+    return None
+
+
+def same_plan_spread(recs: list[dict]) -> dict:
+    """Step ratios of the very same graphs measured in different children (PyTorch's partition at
+    one fraction, in its own child and wherever memcompile's plan chose it): the variation
+    between processes that no within-child ratio shows (buffer placement, allocator state)."""
+    groups: dict[float, list[float]] = {}
+    for r in recs:
+        f = stock_fraction(r) if r.get("status") == "ok" else None
+        if f is not None:
+            groups.setdefault(f, []).append(r["step_ratio"])
+    spreads = {f: max(v) / min(v) - 1 for f, v in groups.items() if len(v) > 1}
+    return {"same_plan_ratios": {str(f): v for f, v in groups.items()},
+            "same_plan_spread": max(spreads.values(), default=None)}
+
+
 def noise_of(recs: list[dict]) -> dict:
     """Spread of plain-vs-plain step ratios (the baseline timed twice in every child, and the
     plain-Inductor children) and of the baseline's medians across children.
@@ -400,7 +427,8 @@ def noise_of(recs: list[dict]) -> dict:
             "copy_noise": copy_noise, "ratio_noise": tol, "ratio_noise_max": max(dev, default=float("nan")),
             "baseline_step_cv": statistics.pstdev(base) / statistics.mean(base) if len(base) > 1 else float("nan"),
             "baseline_step_min_s": min(base, default=float("nan")), "baseline_step_max_s": max(base, default=float("nan")),
-            "max_load": max((max(r["load_before"], r["load_after"]) for r in recs if "load_before" in r), default=None)}
+            "max_load": max((max(r["load_before"], r["load_after"]) for r in recs if "load_before" in r), default=None),
+            **same_plan_spread(recs)}
 
 
 def acceptance(recs: list[dict], noise: float) -> dict:
@@ -432,9 +460,10 @@ def acceptance(recs: list[dict], noise: float) -> dict:
             pairs.append({"pytorch": label(p), "pt_peak": p["peak_bytes"], "pt_ratio": p["step_ratio"], "mc": mc_why})
             continue
         rel = m["step_ratio"] / p["step_ratio"]
+        same = stock_fraction(p) is not None and stock_fraction(p) == stock_fraction(m)
         pairs.append({"pytorch": label(p), "pt_peak": p["peak_bytes"], "pt_ratio": p["step_ratio"],
                       "mc_peak": m["peak_bytes"], "mc_ratio": m["step_ratio"], "mc_over_pt": rel,
-                      "as_fast": rel <= 1 + tol})
+                      "as_fast": rel <= 1 + tol, "same_plan": same})
     def lowest(rs: list[dict], limit: float) -> int | None:
         return min((r["peak_bytes"] for r in rs if r["step_ratio"] <= limit), default=None)
 
@@ -477,7 +506,13 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
                    f"{nz['within_child_noise']:.3f}, max {nz['ratio_noise_max']:.3f}; "
                    f"{len(nz['copy_ratios'])} plain-Inductor child(ren) (two compiled copies each): ratios "
                    f"{', '.join(f'{x:.3f}' for x in nz['copy_ratios'])}, largest |ratio - 1| {nz['copy_noise']:.3f}; "
-                   f"tolerance (the larger) {nz['ratio_noise']:.3f}; plain step median over all children "
+                   f"tolerance (the larger) {nz['ratio_noise']:.3f}; "
+                   + (f"the same partition measured in different children (PyTorch's and memcompile's): ratios "
+                      + "; ".join(f"{f}: " + ", ".join(f"{x:.3f}" for x in v)
+                                  for f, v in nz["same_plan_ratios"].items() if len(v) > 1)
+                      + f", largest spread {nz['same_plan_spread']:.3f} (not in the tolerance); "
+                      if nz["same_plan_spread"] is not None else "")
+                   + f"plain step median over all children "
                    f"{nz['baseline_step_min_s'] * 1e3:.0f}-{nz['baseline_step_max_s'] * 1e3:.0f} ms "
                    f"(CV {nz['baseline_step_cv']:.2f})"
                    + (f"; highest 1-minute load average around a child {nz['max_load']:.2f} ({args.threads} "
@@ -506,7 +541,8 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
         for p in acc["pairs"]:
             if "mc_ratio" in p:
                 out.append(f"| {p['pytorch']} | {mib(p['pt_peak'])} | {p['pt_ratio']:.3f} | {mib(p['mc_peak'])} | "
-                           f"{p['mc_ratio']:.3f} | {p['mc_over_pt']:.3f} | {'yes' if p['as_fast'] else '**no**'} |")
+                           f"{p['mc_ratio']:.3f} | {p['mc_over_pt']:.3f} | {'yes' if p['as_fast'] else '**no**'}"
+                           f"{' (the same partition)' if p.get('same_plan') else ''} |")
             else:
                 verdict = "-" if p["mc"].startswith("not run") else "**no**"
                 out.append(f"| {p['pytorch']} | {mib(p['pt_peak'])} | {p['pt_ratio']:.3f} | {p['mc']} | - | - | {verdict} |")
