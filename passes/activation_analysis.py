@@ -362,6 +362,19 @@ def analyze_joint_graph(
         running += fixed[t]
         fixed_bytes.append(running)
     fixed_before = tuple(f - b for f, b in zip(fixed_bytes, allocated_by_node))
+    # Results of one multi-result op that the backward reads (attention's output and log-sum-exp)
+    # are recomputed together or not at all: one run of the op makes them all. Its time is
+    # charged once, to the first of them.
+    same_op_as = [-1] * len(candidates)
+    groups: dict[fx.Node, list[int]] = {}
+    for i, c in enumerate(candidates):
+        if is_getitem(c) and can_recompute[i] and c in bw_first_read:
+            groups.setdefault(compute_unit(c), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            for i in members:
+                same_op_as[i] = members[0]
+                costs[i] = costs[i] if i == members[0] else 0.0
     problem = ActivationProblem(
         names=tuple(names),
         nbytes=tuple(nbytes),
@@ -382,6 +395,7 @@ def analyze_joint_graph(
         # Copies hide behind only part of the compute (profile.copy_overlap, measured).
         forward_compute_s=profile.copy_overlap * sum(step_time_s[:backward_start]),
         backward_compute_s=profile.copy_overlap * sum(step_time_s[backward_start:]),
+        same_op_as=tuple(same_op_as) if any(g >= 0 for g in same_op_as) else (),
     )
     return JointAnalysis(
         problem=problem,

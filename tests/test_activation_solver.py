@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -48,6 +49,14 @@ def problems(draw, max_candidates=6):
         can_recompute.append(draw(st.booleans()) or not keepable)  # at least one way to have it
         costs.append(draw(st.floats(0.0, 1e-3)))
         view_of.append(-1)
+    # Results of one multi-result op (attention's output and log-sum-exp): read by the backward,
+    # recomputed together or not at all.
+    same_op_as = [-1] * n
+    tied = [i for i in range(n) if first[i] < steps and can_recompute[i]]
+    if len(tied) >= 2 and draw(st.booleans()):
+        group = sorted(draw(st.sets(st.sampled_from(tied), min_size=2, max_size=3)))
+        for i in group:
+            same_op_as[i] = group[0]
     fixed = tuple(draw(st.integers(0, 500)) for _ in range(steps))
     # What each step's node allocates itself: recomputations placed before it do not see it.
     before = tuple(f - draw(st.integers(0, f)) for f in fixed) if draw(st.booleans()) else ()
@@ -59,6 +68,7 @@ def problems(draw, max_candidates=6):
         # Some recomputed copies are inlined into their readers (no buffer; inputs live longer).
         fused_when_recomputed=tuple(draw(st.booleans()) for _ in range(n)) if draw(st.booleans()) else (),
         saved_only_forward_from=tuple(forward_from) if draw(st.booleans()) else (),
+        same_op_as=tuple(same_op_as) if any(g >= 0 for g in same_op_as) else (),
     )
 
 
@@ -150,3 +160,29 @@ def test_recomputations_before_a_node_do_not_see_its_own_output():
     assert result.recompute == frozenset({0, 1}) and result.model_peak_bytes == 200
     with pytest.raises(ValueError, match="fixed_before_node_bytes"):
         ActivationProblem(**{**problem.__dict__, "fixed_before_node_bytes": (0, 0, 0, 0, 90, 0)})
+
+
+def test_results_of_one_op_are_recomputed_together():
+    """Recomputing one result of a multi-result op re-runs the op, which makes the others: a kept
+    copy beside the recomputed one measured above the check (Llama small, attention's
+    log-sum-exp kept while its output was recomputed: 8,256 B over the budget). Closure,
+    consistency and the solver keep such results together; the op's time counts once."""
+    # 0: the op's input; 1, 2: its two results, both read by the backward (steps 4 and 5).
+    problem = ActivationProblem(
+        names=("x", "out", "lse"), nbytes=(100, 400, 10), recompute_cost_s=(1e-4, 5e-4, 0.0),
+        can_keep=(True, True, True), can_recompute=(False, True, True), first_read=(4, 4, 4),
+        last_read=(5, 5, 4), keep_from=(3, 3, 3), recompute_from=(3, 3, 3), recompute_reads=((), (0,), (0,)),
+        view_of=(-1, -1, -1), fixed_bytes=(0, 0, 0, 0, 0, 0), same_op_as=(-1, 1, 1),
+    )
+    keep, recompute, stored = close_decisions(problem, {1})
+    assert recompute == {1, 2} and keep == {0}
+    assert not is_consistent(problem, frozenset({0, 2}), frozenset({1}))  # the split
+    assert is_consistent(problem, keep, recompute)
+    assert evaluate(problem, keep, recompute)[1] == pytest.approx(5e-4)  # the op once
+    # A budget that keeping the small result beside a recomputed output would meet (100 + 10),
+    # but the op makes the output again anyway: the solver keeps both, or recomputes both.
+    result = solve_activation_plan(problem, 460, time_limit_s=5)
+    assert result.recompute in (frozenset(), frozenset({1, 2}))
+    assert is_consistent(problem, result.keep, result.recompute)
+    with pytest.raises(ValueError, match="same_op_as"):
+        dataclasses.replace(problem, same_op_as=(-1, 2, 2))  # the first of a group names itself

@@ -90,6 +90,12 @@ class ActivationProblem:
     # lifetime [that step, keep_from) is then not in fixed_bytes but held with the decision.
     # Empty: -1 for all.
     saved_only_forward_from: tuple[int, ...] = ()
+    # Per candidate: the first candidate that is a result of the same multi-result op (attention's
+    # output and log-sum-exp), itself for that one, -1 where none. Such results are recomputed
+    # together or not at all: recomputing one re-runs the op, which makes the others too (kept
+    # copies beside recomputed ones measured above the check's peak), and the op's time is
+    # charged once, to the first. Empty: -1 for all.
+    same_op_as: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -106,6 +112,11 @@ class ActivationProblem:
                 or any(f >= k for f, k in zip(self.saved_only_forward_from, self.keep_from))):
             raise ValueError("ActivationProblem.saved_only_forward_from needs one entry per candidate, "
                              "each before its keep_from")
+        if self.same_op_as and (len(self.same_op_as) != n
+                                or any(not -1 <= g <= i or (g >= 0 and self.same_op_as[g] != g)
+                                       for i, g in enumerate(self.same_op_as))):
+            raise ValueError("ActivationProblem.same_op_as needs one entry per candidate: -1, or the first "
+                             "candidate of its group (itself for that one)")
         if self.fused_when_recomputed and len(self.fused_when_recomputed) != n:
             raise ValueError(f"ActivationProblem.fused_when_recomputed has {len(self.fused_when_recomputed)} "
                              f"entries, expected {n}")
@@ -142,6 +153,12 @@ class ActivationProblem:
         if self.saved_only_forward_from and self.saved_only_forward_from[i] >= 0:
             return self.saved_only_forward_from[i]
         return self.keep_from[i]
+
+    def op_group(self, i: int) -> list[int]:
+        """The candidates recomputed together with i (i alone unless a multi-result op made it)."""
+        if not self.same_op_as or self.same_op_as[i] < 0:
+            return [i]
+        return [j for j, g in enumerate(self.same_op_as) if g == self.same_op_as[i]]
 
     def reads_until_reader_ends(self, c: int, i: int) -> bool:
         """Whether recomputing c keeps i (which c reads) live until c's own last reader: c is a
@@ -324,8 +341,10 @@ def is_consistent(problem: ActivationProblem, keep: frozenset[int], recompute: f
     needed = {i for i in range(len(problem.names)) if problem.needed_by_backward(i)}
     for c in recompute:
         needed.update(problem.recompute_reads[c])
+    split = any(any(j not in recompute for j in problem.op_group(i)) for i in recompute)
     return (
         needed == held | set(recompute)
+        and not split
         and all(problem.can_keep[i] for i in keep)
         and all(problem.can_recompute[i] for i in recompute)
         and not any(problem.exact_required(i) for i in lossy_values(problem, recompute, stored))
@@ -339,6 +358,18 @@ def close_decisions(
     that cannot be kept) are recomputed, those in `prefer_store` stored with that choice, the
     rest kept. Walks readers before what they read."""
     prefer_store = prefer_store or {}
+    prefer = set(prefer_recompute)
+    for _ in range(len(problem.names) + 1):  # results of one op go together (ActivationProblem.same_op_as)
+        decisions = _close_once(problem, prefer, prefer_store)
+        split = {j for i in decisions[1] for j in problem.op_group(i)} - decisions[1]
+        if not split or split <= prefer:
+            return decisions
+        prefer |= split
+    return decisions
+
+
+def _close_once(problem: ActivationProblem, prefer_recompute: set[int], prefer_store: dict[int, int],
+                ) -> tuple[frozenset[int], frozenset[int], Stored]:
     needed = {i for i in range(len(problem.names)) if problem.needed_by_backward(i)}
     keep: set[int] = set()
     recompute: set[int] = set()
@@ -420,7 +451,7 @@ def greedy_plan(
                 options.append(("recompute", -1))
             for move in options:
                 freed = _bytes_freed_at(problem, i, move, t, start, end)
-                cost = (problem.recompute_cost_s[i] if move[0] == "recompute"
+                cost = (sum(problem.recompute_cost_s[j] for j in problem.op_group(i)) if move[0] == "recompute"
                         else problem.choices_of(i)[move[1]].time_cost_s + problem.choices_of(i)[move[1]].link_s)
                 if freed > 0:
                     moves.append((freed / (cost + 1e-9) if per_second else freed, -i, move, i))
@@ -503,6 +534,8 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
             model.Add(sum(held) == 0)
         if not problem.can_recompute[i]:
             model.Add(recompute[i] == 0)
+        if problem.same_op_as and 0 <= problem.same_op_as[i] != i:
+            model.Add(recompute[i] == recompute[problem.same_op_as[i]])
         if problem.needed_by_backward(i):
             model.Add(sum(held) + recompute[i] == 1)
         else:
