@@ -54,6 +54,7 @@ log = logging.getLogger("memcompile")
 _MAX_TIGHTENINGS = 4
 _MAX_RAISES = 1  # re-solves at a higher model target when the check leaves room under the budget
 _RAISE_MIN_SLACK = 0.02  # ... of at least this fraction of the budget
+_REPAIR_TRIES = 6  # checks spent repairing an overshooting plan before the least-peak fallback
 
 
 @dataclass(frozen=True)
@@ -482,6 +483,7 @@ class Replanner:
         solve_s = 0.0
         target = budget
         best: _Attempt | None = None
+        over: _Attempt | None = None  # the overshooting plan with the least checked peak
         raised = 0
         for _ in range(_MAX_TIGHTENINGS + _MAX_RAISES):
             # All solves of one graph share the time limit (each gets at least a second).
@@ -507,12 +509,53 @@ class Replanner:
             elif best is not None:
                 break  # a raise overshot: keep the plan that fitted
             else:
+                if over is None or checked < over.timeline.peak_bytes:
+                    over = attempt
                 # The model under-estimated the real graphs: ask it for that much less than this
                 # plan's own model peak (lowering only the target returned the same plan when the
                 # model put it well under the target: Llama small at 9.91 MiB, 323 B over, four
                 # solves of one plan).
                 target = min(target, solution.model_peak_bytes) - (checked - budget)
+        if best is None and over is not None:
+            best = self._repair_on_check(problem, over, budget)
         return best, solve_s
+
+    def _repair_on_check(self, problem: ActivationProblem, attempt: _Attempt, budget: int) -> _Attempt | None:
+        """From a plan whose check peaks over the budget: recompute one more of what it keeps
+        across the check's peak step, cheapest per byte first, each change checked, moving on
+        from any that lowers the checked peak; the first plan within the budget, or None after
+        _REPAIR_TRIES checks. Where the check peaks at a step the model puts well below its own
+        peak, no model target moves that step (Llama small at 9.91 MiB: 323 B over, every
+        tightened target returned plans checking at the same peak)."""
+        steps = {("forward", n.name): t for t, n in enumerate(self.analysis.forward_nodes)}
+        steps.update({("backward", n.name): len(steps) + t for t, n in enumerate(self.analysis.backward_nodes)})
+        tries = 0
+        while tries < _REPAIR_TRIES:
+            peak = attempt.timeline.peak_step
+            t = steps.get((peak.phase, peak.node))
+            held = attempt.solution
+            moves = [i for i in held.keep if problem.nbytes[i] and problem.can_recompute[i]
+                     and (t is None or problem.keep_from[i] <= t
+                          and (problem.last_read[i] < 0 or t <= problem.last_read[i]))]
+            moves.sort(key=lambda i: (sum(problem.recompute_cost_s[j] for j in problem.op_group(i)) / problem.nbytes[i], i))
+            lower = None
+            for i in moves[:_REPAIR_TRIES - tries]:
+                tries += 1
+                decisions = close_decisions(problem, set(held.recompute) | {i}, dict(held.stored))
+                peak_bytes, added = evaluate(problem, *decisions)
+                other = _rewrite_and_check(self.joint, self.analysis,
+                                           ActivationSolution(*decisions, peak_bytes, added, "feasible", 0.0, 0.0),
+                                           self.num_fwd_outputs, _runs_under_inductor(self.options))
+                log.debug("repair: recompute %s: graph peak %d", problem.names[i], other.timeline.peak_bytes)
+                if other.timeline.peak_bytes <= budget:
+                    return other
+                if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
+                    lower = other
+                    break
+            if lower is None:
+                return None
+            attempt = lower
+        return None
 
     def least_peak(self) -> _Attempt:
         return self.least_peak_and_solve_s()[0]

@@ -14,7 +14,7 @@ import torch
 
 import memcompile
 from memcompile import planner
-from memcompile.solver.activations import step_loads
+from memcompile.solver.activations import is_consistent, step_loads
 from tests.models import AttentionStack, ConvBN, MLP
 
 
@@ -223,3 +223,49 @@ def test_the_least_peak_plan_quantizes_only_where_that_lowers_the_peak(make):
         assert not stored, [(d.name, d.choice) for d in stored]
     else:
         assert smallest < lossless and stored
+
+
+def test_an_overshooting_plan_is_repaired_on_the_check(monkeypatch):
+    """Where the check peaks over the budget at a step the model puts low, no model target moves
+    it (Llama small at 9.91 MiB: 323 B over). The repair recomputes one more kept tensor at a
+    time, each change checked, keeping any that lowers the checked peak: the first plan within
+    the budget, or None after _REPAIR_TRIES checks."""
+    replanners = []
+    original_fit = planner.Replanner.fit
+
+    def fit(self, *args, **kwargs):
+        replanners.append(self)
+        return original_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(planner.Replanner, "fit", fit)
+    torch.compiler.reset()
+    model, x = MLP(64, 3), torch.randn(512, 64)
+    with pytest.raises(memcompile.InfeasibleBudgetError):
+        torch.compile(model, backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5))(x).sum().backward()
+    replanner = replanners[-1]
+    problem = replanner.analysis.problem
+    keep_all = replanner.keep_all
+    base = keep_all.timeline.peak_bytes
+
+    def run(lowered_by: int, budget: int):
+        checks = []
+
+        def fake_check(joint, analysis, solution, *args, **kwargs):
+            assert is_consistent(problem, *solution.decisions)
+            checks.append(solution)
+            more = len(solution.recompute - keep_all.solution.recompute)
+            peak = base - lowered_by * more
+            return dataclasses.replace(keep_all, solution=solution,
+                                       timeline=dataclasses.replace(keep_all.timeline, peak_bytes=peak))
+
+        monkeypatch.setattr(planner, "_rewrite_and_check", fake_check)
+        return replanner._repair_on_check(problem, keep_all, budget), checks
+
+    repaired, checks = run(lowered_by=1000, budget=base - 1)
+    assert len(checks) == 1 and repaired.solution == checks[0]
+    assert repaired.timeline.peak_bytes <= base - 1
+    repaired, checks = run(lowered_by=1000, budget=base - 1500)  # two changes, each one check
+    assert len(checks) == 2 and repaired.timeline.peak_bytes <= base - 1500
+    assert checks[0].recompute < checks[1].recompute
+    repaired, checks = run(lowered_by=0, budget=base - 1)  # nothing helps: give up, within the count
+    assert repaired is None and 1 <= len(checks) <= planner._REPAIR_TRIES
