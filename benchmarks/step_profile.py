@@ -40,7 +40,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--debug", action="store_true",
+                    help="print the planner's debug log (each solve's model and checked peak, the repair's checks)")
     args = ap.parse_args()
+    if args.debug:
+        import logging
+
+        logger = logging.getLogger("memcompile")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(logging.StreamHandler())
 
     import torch
     import torch._inductor.config as inductor_config

@@ -137,10 +137,8 @@ def test_the_least_peak_search_runs_once_per_graph(monkeypatch):
     assert len(calls) == 1 and options[-1][0] == least.timeline.peak_bytes
 
 
-def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
-    """Where only storing a kept tensor lowers the checked peak (GPT-2 small at batch 12 with
-    int8: a kept matmul result at the peak; recomputing it would be placed right there again),
-    the descent from the least-peak plan stores it; each try is one check, within the count."""
+def _replanner_of_an_infeasible_mlp(monkeypatch, **options) -> planner.Replanner:
+    """The Replanner of an MLP(64, 3) compiled (aot_eager) at a budget of 1 byte."""
     replanners = []
     original_fit = planner.Replanner.fit
 
@@ -150,12 +148,19 @@ def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
 
     monkeypatch.setattr(planner.Replanner, "fit", fit)
     torch.compiler.reset()
-    # (tanh outputs take no lossy form; offload, forced on on CPU, stores them exactly)
     model, x = MLP(64, 3), torch.randn(512, 64)
     with pytest.raises(memcompile.InfeasibleBudgetError):
         torch.compile(model, backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5,
-                                                       offload=True))(x).sum().backward()
-    replanner = replanners[-1]
+                                                       **options))(x).sum().backward()
+    return replanners[-1]
+
+
+def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
+    """Where only storing a kept tensor lowers the checked peak (GPT-2 small at batch 12 with
+    int8: a kept matmul result at the peak; recomputing it would be placed right there again),
+    the descent from the least-peak plan stores it; each try is one check, within the count."""
+    # (tanh outputs take no lossy form; offload, forced on on CPU, stores them exactly)
+    replanner = _replanner_of_an_infeasible_mlp(monkeypatch, offload=True)
     problem = replanner.analysis.problem
     keep_all = replanner.keep_all
     storable = [i for i in keep_all.solution.keep if problem.choices_of(i)]
@@ -230,19 +235,7 @@ def test_an_overshooting_plan_is_repaired_on_the_check(monkeypatch):
     it (Llama small at 9.91 MiB: 323 B over). The repair recomputes one more kept tensor at a
     time, each change checked, keeping any that lowers the checked peak: the first plan within
     the budget, or None after _REPAIR_TRIES checks."""
-    replanners = []
-    original_fit = planner.Replanner.fit
-
-    def fit(self, *args, **kwargs):
-        replanners.append(self)
-        return original_fit(self, *args, **kwargs)
-
-    monkeypatch.setattr(planner.Replanner, "fit", fit)
-    torch.compiler.reset()
-    model, x = MLP(64, 3), torch.randn(512, 64)
-    with pytest.raises(memcompile.InfeasibleBudgetError):
-        torch.compile(model, backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5))(x).sum().backward()
-    replanner = replanners[-1]
+    replanner = _replanner_of_an_infeasible_mlp(monkeypatch)
     problem = replanner.analysis.problem
     keep_all = replanner.keep_all
     base = keep_all.timeline.peak_bytes
