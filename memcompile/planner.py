@@ -399,11 +399,17 @@ def _stock_decisions(forward: fx.GraphModule, fraction: float, num_fwd_outputs: 
     return tuple(rows)
 
 
+def _model_steps(analysis: JointAnalysis) -> list[tuple[str, str]]:
+    """The model's steps as the check names them: (phase, node name), forward then backward."""
+    return ([("forward", n.name) for n in analysis.forward_nodes]
+            + [("backward", n.name) for n in analysis.backward_nodes])
+
+
 def _calibrated_to(analysis: JointAnalysis, checked: _Attempt) -> JointAnalysis:
     """The analysis with its model's fixed bytes corrected by the exact check of `checked`
     (passes/calibration.py): the error no decision changes is taken out before solving."""
     problem = analysis.problem
-    steps = [("forward", n.name) for n in analysis.forward_nodes] + [("backward", n.name) for n in analysis.backward_nodes]
+    steps = _model_steps(analysis)
     if len(steps) != problem.num_steps:
         return analysis  # defensive: the model's steps are these nodes; never guess an alignment
     solution = checked.solution
@@ -527,8 +533,7 @@ class Replanner:
         _REPAIR_TRIES checks. Where the check peaks at a step the model puts well below its own
         peak, no model target moves that step (Llama small at 9.91 MiB: 323 B over, every
         tightened target returned plans checking at the same peak)."""
-        steps = {("forward", n.name): t for t, n in enumerate(self.analysis.forward_nodes)}
-        steps.update({("backward", n.name): len(steps) + t for t, n in enumerate(self.analysis.backward_nodes)})
+        steps = {step: t for t, step in enumerate(_model_steps(self.analysis))}
         tries = 0
         while tries < _REPAIR_TRIES:
             peak = attempt.timeline.peak_step
