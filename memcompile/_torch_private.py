@@ -112,10 +112,19 @@ def extract_forward_backward(
 # fused with layer 1's (they read the same saved RoPE cos/sin and masks) and so computed at the
 # top of the backward, held across layer 1's. Inductor refuses such fusions only for nodes more
 # than 64 apart (Scheduler.are_long_distant_nodes); for marked nodes we refuse them beyond
-# RECOMPUTE_FUSION_DISTANCE. Llama small's smallest budget: 10.26 MiB with Inductor's rule alone
-# (the distance set to 10**9), 9.26 MiB with the limit (benchmarks/pareto.py probe child).
+# RECOMPUTE_FUSION_DISTANCE, and vertical fusions too (limit_recompute_fusion). Llama small's
+# smallest budget: 10.26 MiB with Inductor's rule alone (the distance set to 10**9), 9.26 MiB
+# with the limit (benchmarks/pareto.py probe child).
 RECOMPUTED = "memcompile_recomputed"
 RECOMPUTE_FUSION_DISTANCE = 4
+# Vertical fusions (a reader into its producer) are refused beyond a wider gap: a recomputation
+# and its readers within one layer are up to 10 scheduler nodes apart on Llama small (its RMSNorm
+# statistics and their backward kernel: 6; the recomputed SiLU and its gradient: 5; layer 1's
+# mask and its attention backward: 10), layers about 45 (layer 0's attention read layer 1's
+# recomputed mask 57-70 nodes later). At 4, the first two were refused too: kernels split for
+# nothing. (The widths of horizontal fusion do not carry over: at 8 or 16 instead of 4 Llama
+# small's smallest budget rose from 9.26 to 10.75 / 10.38 MiB.)
+RECOMPUTE_VERTICAL_GAP = 16
 
 
 def mark_recomputed(bw: fx.GraphModule, forward_names: set[str]) -> None:
@@ -134,9 +143,18 @@ def _has_recomputed_origin(snode) -> bool:
 
 
 def limit_recompute_fusion() -> None:
-    """Refuse horizontal fusions of a marked node with one more than RECOMPUTE_FUSION_DISTANCE
-    away (in Inductor's node order), in every Inductor compile of this process: graphs with no
-    marked node (not ours) fuse as before. Idempotent."""
+    """Refuse fusions of a marked node with one far from it (in Inductor's node order), in every
+    Inductor compile of this process: graphs with no marked node (not ours) fuse as before.
+    Idempotent.
+
+    Horizontal (two readers of the same buffers): the span of the pair beyond
+    RECOMPUTE_FUSION_DISTANCE, as Inductor measures its own 64-node limit. Vertical (producer into
+    reader; Inductor has no distance limit there): the gap between the two beyond
+    RECOMPUTE_VERTICAL_GAP, so a recomputed chain and its readers in one layer still fuse. A
+    recomputed reader fused into a producer far before it runs there: on Llama small at 9.91 MiB,
+    layer 0's recomputed attention masks (two 256 KiB buffers) were fused into the kernel that
+    recomputed layer 1's boolean mask, at the top of the backward, and held through layer 1's
+    backward: every plan the solver made checked 256-512 KiB over its model."""
     from torch._inductor.choices import InductorChoices
 
     original = InductorChoices.can_fuse_horizontal
@@ -149,8 +167,17 @@ def limit_recompute_fusion() -> None:
             return False
         return original(scheduler, node1, node2, shared_data_score)
 
+    original_vertical = InductorChoices.can_fuse_vertical
+
+    def can_fuse_vertical(scheduler, node1, node2, shared_data_score):
+        gap = max(node2.min_order - node1.max_order, node1.min_order - node2.max_order)
+        if gap > RECOMPUTE_VERTICAL_GAP and (_has_recomputed_origin(node1) or _has_recomputed_origin(node2)):
+            return False
+        return original_vertical(scheduler, node1, node2, shared_data_score)
+
     can_fuse_horizontal.memcompile_limited = True
     InductorChoices.can_fuse_horizontal = staticmethod(can_fuse_horizontal)
+    InductorChoices.can_fuse_vertical = staticmethod(can_fuse_vertical)
 
 
 def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: float | None = None, **kwargs: Any):

@@ -217,3 +217,44 @@ def test_a_training_steps_in_place_donors_are_the_inputs_inductor_writes_over():
         assert _in_place_pairs(schedule) == {(r, d) for i, r, d in reuses if i == index}, (
             "backward" if is_backward else "forward")
     assert any(i == 1 for i, _, _ in reuses), "the backward writes a result over an input"
+
+
+def _reduction_read_early_and_by_a_late_recomputation(x, w, wide, wide_w, wider, wider_w):
+    s = x.sum(-1, keepdim=True)  # a reduction: a buffer, read by a matmul at once
+    y = (w @ s).expand(x.shape).contiguous() @ w
+    for _ in range(8):  # more than RECOMPUTE_VERTICAL_GAP scheduler nodes
+        y = torch.relu(y @ wide) @ wide_w  # temporaries live in between
+    late = wider * s  # the node marked as recomputed: its only reader is the last matmul
+    return (y @ w + late @ wider_w,)  # a tuple, as partitioned graphs return
+
+
+@pytest.mark.parametrize("rows,width", [(64, 512), (32, 256)])
+def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(rows, width, monkeypatch):
+    """Inductor fuses a reader into its producer (vertical fusion) however far apart they are, and
+    the fused kernel runs at the producer: a recomputation placed just before its reader was
+    computed at the top of the backward and held across it (Llama small's attention masks:
+    256-512 KiB over every plan at 9.91 MiB). Marked readers far from their producer now run
+    where the rewrite put them; with the distance unlimited they are fused again (the test can
+    fail), and the check's peak is higher by the held buffer."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    late_bytes = rows * 2 * width * 4
+    args = (torch.randn(rows, rows), torch.randn(rows, rows), torch.randn(rows, width), torch.randn(width, rows),
+            torch.randn(rows, 2 * width), torch.randn(2 * width, rows))
+    graph = make_fx(_reduction_read_early_and_by_a_late_recomputation, tracing_mode="fake")(*args)
+    late = next(n for n in graph.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
+    late.meta[tp.RECOMPUTED] = True
+    tp.limit_recompute_fusion()
+
+    def schedule_and_peak():
+        schedule = tp.inductor_schedule(graph, is_backward=False)
+        made_in, name = next((k.index, b.name) for k in schedule.kernels for b in k.allocates if b.nbytes == late_bytes)
+        read_in = next(k.index for k in schedule.kernels if name in k.reads)
+        return made_in, read_in, liveness.analyze_scheduled_liveness(graph, None, 1, schedule, None).peak_bytes
+
+    made_in, read_in, peak = schedule_and_peak()
+    assert made_in == read_in - 1, (made_in, read_in)
+    monkeypatch.setattr(tp, "RECOMPUTE_VERTICAL_GAP", 10**9)
+    fused_in, _, fused_peak = schedule_and_peak()
+    assert fused_in == 0
+    assert fused_peak > peak, (fused_peak, peak)  # the late buffer held across the temporaries
