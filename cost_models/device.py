@@ -56,24 +56,31 @@ def _round2(x: float) -> float:
     return float(f"{x:.2g}")
 
 
+def _best_rate(work: float, run, rounds: int = 5, reps: int = 4) -> float:
+    """work / the fastest of `rounds` timings of `reps` calls of `run`. The fastest, not the mean:
+    whatever else the machine runs (Inductor's compile workers on the same core, another job) only
+    ever slows a round down, and the profile was taken at such moments: the same plan was
+    estimated at 1.01 ms of added time in one process and 1.85 ms in another (Llama small)."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            run()
+        best = min(best, time.perf_counter() - start)
+    return work * reps / max(best, 1e-9)
+
+
 @functools.lru_cache(maxsize=1)
 def measure_cpu_profile() -> DeviceProfile:
     """A quick (~0.2 s) measurement of this CPU's matmul and copy throughput."""
     n = 256
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    reps = 20
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    flops = 2 * n**3 * reps / max(time.perf_counter() - start, 1e-9)
+    flops = _best_rate(2 * n**3, lambda: torch.mm(a, b))
     src = torch.empty(4 * 2**20)  # 16 MiB: beyond most caches
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    bandwidth = 2 * src.nbytes * reps / max(time.perf_counter() - start, 1e-9)
+    bandwidth = _best_rate(2 * src.nbytes, lambda: dst.copy_(src))
     return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6)
 
 
