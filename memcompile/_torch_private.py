@@ -121,7 +121,7 @@ RECOMPUTE_FUSION_DISTANCE = 4
 # and its readers within one layer are up to 10 scheduler nodes apart on Llama small (its RMSNorm
 # statistics and their backward kernel: 6; the recomputed SiLU and its gradient: 5; layer 1's
 # mask and its attention backward: 10), layers about 45 (layer 0's attention read layer 1's
-# recomputed mask 57-70 nodes later). At 4, the first two were refused too: kernels split for
+# recomputed mask 57-70 nodes later). At 4, those three were refused too: kernels split for
 # nothing. (The widths of horizontal fusion do not carry over: at 8 or 16 instead of 4 Llama
 # small's smallest budget rose from 9.26 to 10.75 / 10.38 MiB.)
 RECOMPUTE_VERTICAL_GAP = 16
@@ -161,17 +161,20 @@ def limit_recompute_fusion() -> None:
     if getattr(original, "memcompile_limited", False):
         return
 
+    original_vertical = InductorChoices.can_fuse_vertical
+
+    def far_and_recomputed(node1, node2, distance: int, limit: int) -> bool:
+        return distance > limit and (_has_recomputed_origin(node1) or _has_recomputed_origin(node2))
+
     def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
-        distance = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
-        if distance > RECOMPUTE_FUSION_DISTANCE and (_has_recomputed_origin(node1) or _has_recomputed_origin(node2)):
+        span = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
+        if far_and_recomputed(node1, node2, span, RECOMPUTE_FUSION_DISTANCE):
             return False
         return original(scheduler, node1, node2, shared_data_score)
 
-    original_vertical = InductorChoices.can_fuse_vertical
-
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score):
         gap = max(node2.min_order - node1.max_order, node1.min_order - node2.max_order)
-        if gap > RECOMPUTE_VERTICAL_GAP and (_has_recomputed_origin(node1) or _has_recomputed_origin(node2)):
+        if far_and_recomputed(node1, node2, gap, RECOMPUTE_VERTICAL_GAP):
             return False
         return original_vertical(scheduler, node1, node2, shared_data_score)
 
