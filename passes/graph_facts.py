@@ -398,6 +398,17 @@ def _onednn_gemm_scratch(dtype: torch.dtype, q_rows: int, kv_rows: int, head_dim
     return max(blocked, 12 * max(operands)) + 16 * _KIB
 
 
+def attention_backward_onednn_scratch(dtype: torch.dtype, seq: int, kv_seq: int, head_dim: int) -> int:
+    """One thread's oneDNN GEMM scratchpad in the CPU flash attention backward; 0 where cpublas
+    keeps the block's GEMMs (float32/float64, no oneDNN, or 16^3 multiply-adds or fewer)."""
+    if dtype not in (torch.bfloat16, torch.float16) or not tp.cpu_flash_attention_isa(dtype)[1]:
+        return 0
+    q_split, kv_split = _cpu_attention_blocks(seq, kv_seq)
+    if q_split * kv_split * head_dim <= 16 ** 3:
+        return 0
+    return _onednn_gemm_scratch(dtype, q_split, kv_split, head_dim)
+
+
 def _attention_workspace(node: fx.Node, name: str) -> int | None:
     """What the fused attention kernels allocate besides their results (query: B, H, S, D).
 
@@ -411,7 +422,7 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
     - backward: the scores and their gradient for one block (again in bf16/fp16 for those), a
       row of sums per q block; plus a contiguous copy of grad_out when its (B, S, H, D) view is
       not contiguous (the kernel reads it in that layout); bf16/fp16 on AVX-512 CPUs: oneDNN's
-      GEMM scratchpads (_onednn_gemm_scratch).
+      GEMM scratchpads (attention_backward_onednn_scratch).
     Measured on GPT-2 small: 31 KiB in the backward, where half the bytes moved said 1.2 MiB.
     CUDA flash backward (FlashAttention-2's mha_bwd): a float32 accumulator of dQ, rows padded
     to 128 and the head dimension to 32, and the softmax row sums; an H200 allocator snapshot
@@ -444,7 +455,7 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
     reduced = query.dtype in (torch.bfloat16, torch.float16)
     itemsize = query.itemsize
     threads = torch.get_num_threads()
-    packs, onednn_gemm = tp.cpu_flash_attention_isa(query.dtype)
+    packs = tp.cpu_flash_attention_isa(query.dtype)[0]
     if not backward:
         # AMX repacks K and V (allocator events: bf16 from 64 query and 64 key rows on, at any
         # head count and head dimension; below either, never)
@@ -464,9 +475,9 @@ def _attention_workspace(node: fx.Node, name: str) -> int | None:
             total += threads * _round_up(kv_split, 2) * even_d * itemsize
         return total + _attention_margin(query.dtype)
     per_thread = 2 * q_split * kv_split * (accum + (itemsize if reduced else 0)) + q_split * accum
-    # cpublas hands bf16/fp16 GEMMs to oneDNN above 16^3 multiply-adds (both GEMMs: the block's)
-    if reduced and onednn_gemm and q_split * kv_split * head_dim > 16 ** 3:
-        per_thread += _onednn_gemm_scratch(query.dtype, q_split, kv_split, head_dim)
+    # every thread is counted a scratchpad although at::parallel_for may run a few (batch, head)
+    # items on one thread only: an over-count of up to (threads - 1) scratchpads, never under
+    per_thread += attention_backward_onednn_scratch(query.dtype, seq, kv_seq, head_dim)
     try:
         contiguous = bool(grad_out.transpose(1, 2).is_contiguous())
     except Exception:  # noqa: BLE001 - symbolic strides: assume the copy

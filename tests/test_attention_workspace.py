@@ -7,14 +7,15 @@ from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.passes.graph_facts import kernel_workspace_bytes
+from memcompile.passes.graph_facts import attention_backward_onednn_scratch, kernel_workspace_bytes
 from budget_helpers import with_threads
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SLACK = 4096  # what counted may exceed measured by (the count keeps 1 KiB of margin)
 # bf16/fp16 backwards on AVX-512 CPUs also hold oneDNN's GEMM scratchpads, bounded (not read
-# from oneDNN): measured 1.1x to 2.8x under what is counted
+# from oneDNN): measured 1.1x to 2.8x under what is counted, once the scratchpads of threads
+# that ran no GEMM are set aside (at::parallel_for may run a few (batch, head) items on one)
 ONEDNN_RATIO, ONEDNN_SLACK = 3, 32 * 1024
 
 shapes = dict(batch=st.integers(1, 3), heads=st.integers(1, 6),
@@ -52,7 +53,9 @@ def test_attention_backward_scratch_is_counted_to_the_kilobyte(batch, heads, seq
     layouts (a (B, S, H, D)-contiguous one is read as it is; another is copied first). Half the
     bytes moved, the old count, said 1.2 MiB where a GPT-2 layer used 31 KiB. bf16/fp16 on an
     AVX-512 CPU add oneDNN's GEMM scratchpads (13,220 B measured where 3,360 were counted before
-    they were), bounded rather than exact: within 3x + 32 KiB."""
+    they were), bounded rather than exact: within 3x + 32 KiB, less the scratchpads counted for
+    threads that may have run no GEMM (one (B, H) item at 2 threads: 107,072 B counted, 16,676
+    measured)."""
     def check():
         q, k, v, m = _qkv(batch, heads, seq, kv_seq, head_dim, dtype, mask)
         out, logsumexp = FORWARD(q, k, v, attn_mask=m)[:2]
@@ -70,7 +73,9 @@ def test_attention_backward_scratch_is_counted_to_the_kilobyte(batch, heads, seq
         if dtype == torch.float32:
             assert counted <= scratch + SLACK, (scratch, counted)
         else:
-            assert counted <= ONEDNN_RATIO * scratch + ONEDNN_SLACK, (scratch, counted)
+            idle_threads = threads - 1
+            onednn = attention_backward_onednn_scratch(dtype, seq, kv_seq or seq, head_dim)
+            assert counted - idle_threads * onednn <= ONEDNN_RATIO * scratch + ONEDNN_SLACK, (scratch, counted, onednn)
 
     with_threads(threads, check)
 
