@@ -286,6 +286,14 @@ def _plan_joint_graph(
 # step plan of several regions choose among them too, each checked at the sizes planned for.
 # MEMCOMPILE_STOCK_CANDIDATES=0 turns this off.
 STOCK_FRACTIONS = (1.0, 0.8, 0.6, 0.4)
+# A fitting partition is not always cheap: BERT small at 12.08 MiB (pareto_small_s14) took the
+# 0.6 partition, estimated at +4.55 ms, measured 1.355x the step, where the solver's plan for
+# 10.07 MiB, estimated at 0.81 ms, measured 1.049x. So where a partition's recomputations are
+# estimated above STOCK_SOLVE_ABOVE of the step (under it, no plan can save more than noise),
+# the solver plans as well, and its plan replaces the partition when estimated STOCK_MARGIN
+# times cheaper: our plans measured 1.6-5x their estimates there, PyTorch's 2x.
+STOCK_SOLVE_ABOVE = 0.02
+STOCK_MARGIN = 4.0
 STOCK_CANDIDATES = os.environ.get("MEMCOMPILE_STOCK_CANDIDATES", "1") != "0"
 
 
@@ -320,6 +328,7 @@ class StockPartitions:
     profile: object
     forward_names: set[str]  # forward ops found in the backward are recomputations
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
+    _step_time_s: float | None = dataclasses.field(default=None, repr=False)
 
     def at(self, fraction: float) -> _Attempt | None:
         """The checked partition at `fraction`; None if it could not be made or checked. Its
@@ -356,6 +365,13 @@ class StockPartitions:
                            if n.op == "call_function" and n.name in self.forward_names)
         rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
         return _Attempt(StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
+
+    def step_time_s(self) -> float:
+        """The joint graph's estimated time: forward and backward, no recomputation."""
+        if self._step_time_s is None:
+            self._step_time_s = sum(estimate_node_time_s(n, self.profile) for n in self.joint.graph.nodes
+                                    if n.op == "call_function")
+        return self._step_time_s
 
     def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
         """The partition at the largest of `fractions` (descending) whose checked peak fits.
@@ -465,17 +481,21 @@ class Replanner:
         """The least-time plan whose checked peak is <= budget, or None; and the solve time.
         PyTorch's partition at the largest fraction that fits comes first (STOCK_FRACTIONS; only
         1.0, plain Inductor, where keep-all fits: keeping everything was slower than it, 1.10x
-        the step on BERT). Else the solver: when the rewritten graphs peak above what the model
+        the step on BERT). Where that partition's recomputations are estimated at more than
+        STOCK_SOLVE_ABOVE of the step, the solver plans too, and its plan is taken if estimated
+        STOCK_MARGIN times cheaper. Else the solver: when the rewritten graphs peak above what the model
         said, the target is lowered by the excess and it solves again (at most _MAX_TIGHTENINGS
         times, sharing the time limit); when they peak well below the budget, the target is
         raised once by the room left and the faster of the fitting plans is kept."""
         keep_all_fits = self.keep_all.timeline.peak_bytes <= budget
+        stock, stock_s = None, 0.0
         if self.stock is not None:
             started = time.monotonic()
-            found = self.stock.fitting(budget, STOCK_FRACTIONS[:1] if keep_all_fits else STOCK_FRACTIONS)
-            if found is not None:
-                return found, time.monotonic() - started
-        if keep_all_fits:
+            stock = self.stock.fitting(budget, STOCK_FRACTIONS[:1] if keep_all_fits else STOCK_FRACTIONS)
+            stock_s = time.monotonic() - started
+            if stock is not None and stock.solution.added_time_s <= STOCK_SOLVE_ABOVE * self.stock.step_time_s():
+                return stock, stock_s
+        if keep_all_fits and stock is None:
             return self.keep_all, 0.0
         attempt, solve_s = self._fit_with(self.analysis.problem, budget, time_limit_s)
         if attempt is None and self.uncalibrated is not None and self.uncalibrated != self.analysis.problem:
@@ -483,7 +503,10 @@ class Replanner:
             # that checks under the budget, the uncalibrated model's plans may (a DDP-split MLP).
             attempt, more_s = self._fit_with(self.uncalibrated, budget, max(1.0, time_limit_s - solve_s))
             solve_s += more_s
-        return attempt, solve_s
+        if stock is not None and not (attempt is not None
+                                      and attempt.solution.added_time_s * STOCK_MARGIN < stock.solution.added_time_s):
+            return stock, stock_s + solve_s
+        return attempt, stock_s + solve_s
 
     def _fit_with(self, problem: ActivationProblem, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
         solve_s = 0.0

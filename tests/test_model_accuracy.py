@@ -262,3 +262,47 @@ def test_an_overshooting_plan_is_repaired_on_the_check(monkeypatch):
     assert checks[0].recompute < checks[1].recompute
     repaired, checks = run(lowered_by=0, budget=base - 1)  # nothing helps: give up, within the count
     assert repaired is None and 1 <= len(checks) <= planner._REPAIR_TRIES
+
+
+class _FakeStock:
+    """PyTorch's partitions as fit() sees them: one that fits, estimated at `added_s`."""
+
+    def __init__(self, fitting: planner._Attempt, added_s: float, step_s: float):
+        self._fitting = dataclasses.replace(fitting, solution=planner.StockSolution(0.6, added_s, 0, ()))
+        self._step_s = step_s
+
+    def fitting(self, budget, fractions=planner.STOCK_FRACTIONS):
+        return self._fitting if self._fitting.timeline.peak_bytes <= budget else None
+
+    def step_time_s(self):
+        return self._step_s
+
+
+@pytest.mark.parametrize("stock_share, solver_share, expected", [
+    (0.01, 0.0001, "stock"),   # a cheap partition: taken without solving
+    (0.20, 0.01, "solver"),    # BERT small at 12.08 MiB: the partition +4.55 ms, the solver's plan ~0.8
+    (0.20, 0.08, "stock"),     # the solver's plan cheaper, but not by the margin its estimates need
+])
+def test_an_expensive_fitting_partition_is_weighed_against_the_solvers_plan(monkeypatch, stock_share, solver_share,
+                                                                             expected):
+    """A fitting PyTorch partition whose recomputations are estimated above STOCK_SOLVE_ABOVE of
+    the step is not taken blindly: the solver plans too, and its plan wins when estimated
+    STOCK_MARGIN times cheaper (its estimates were the more optimistic when measured)."""
+    replanner = _replanner_of_an_infeasible_mlp(monkeypatch)
+    keep_all = replanner.keep_all
+    budget = keep_all.timeline.peak_bytes - 1  # keep-all does not fit; the partition does
+    partition = dataclasses.replace(keep_all, timeline=dataclasses.replace(keep_all.timeline, peak_bytes=budget))
+    step_s = 1.0
+    solved = []
+    solver_plan = dataclasses.replace(keep_all, solution=dataclasses.replace(keep_all.solution,
+                                                                             added_time_s=solver_share * step_s))
+
+    def fit_with(self, problem, budget, time_limit_s):
+        solved.append(budget)
+        return solver_plan, 0.5
+
+    monkeypatch.setattr(planner.Replanner, "_fit_with", fit_with)
+    replanner = dataclasses.replace(replanner, stock=_FakeStock(partition, stock_share * step_s, step_s))
+    chosen, _ = replanner.fit(budget, 5.0)
+    assert chosen is (solver_plan if expected == "solver" else replanner.stock.fitting(budget))
+    assert bool(solved) == (stock_share > planner.STOCK_SOLVE_ABOVE)
