@@ -24,6 +24,9 @@ class DeviceProfile:
     tf32_matmul_flops_per_s: float = 0.0
     # The share of a phase's compute time that host copies run behind (1: all of it).
     copy_overlap: float = 1.0
+    # Compute-bound ops (those with a FLOP count) are timed on this device instead of priced by
+    # the roofline (cost_models/op_timing.py): CPU only, where the plan's process runs them.
+    times_ops: bool = False
 
     def matmul_rate(self, dtype: torch.dtype | None) -> float:
         """Dense matmul FLOP/s for results of `dtype`."""
@@ -81,7 +84,7 @@ def measure_cpu_profile() -> DeviceProfile:
     dst = torch.empty_like(src)
     dst.copy_(src)
     bandwidth = _best_rate(2 * src.nbytes, lambda: dst.copy_(src))
-    return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6)
+    return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6, times_ops=True)
 
 
 def profile_for(device: str | torch.device | None) -> DeviceProfile:

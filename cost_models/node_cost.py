@@ -7,6 +7,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from memcompile.cost_models.device import DeviceProfile
+from memcompile.cost_models.op_timing import measured_op_time_s
 from memcompile.passes.graph_facts import is_aliasing_op, is_getitem, tensor_nbytes
 
 
@@ -67,7 +68,8 @@ def node_bytes_moved(node: fx.Node) -> int:
 
 
 def estimate_node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
-    """Roofline estimate of one execution of `node`; views and getitems are free."""
+    """Roofline estimate of one execution of `node`, or its measured time where the profile times
+    compute-bound ops (op_timing.py); views and getitems are free."""
     if node.op != "call_function":
         return 0.0
     if is_aliasing_op(node) or is_getitem(node):
@@ -75,6 +77,11 @@ def estimate_node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):  # a multi-result op (attention): the rate of its first result's dtype
         val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    compute_s = node_flops(node) / profile.matmul_rate(val.dtype if isinstance(val, torch.Tensor) else None)
+    flops = node_flops(node)
+    if flops and profile.times_ops:
+        measured = measured_op_time_s(node)
+        if measured is not None:
+            return measured
+    compute_s = flops / profile.matmul_rate(val.dtype if isinstance(val, torch.Tensor) else None)
     memory_s = node_bytes_moved(node) / profile.memory_bytes_per_s
     return max(compute_s, memory_s) + profile.op_overhead_s

@@ -202,6 +202,14 @@ def is_fake_tensor(x: object) -> bool:
     return isinstance(x, _FakeTensor)
 
 
+def outside_tracing_modes():
+    """A context where tensor ops run for real: the partitioner runs under the compile's fake (and
+    proxy) dispatch modes, and an op timed there would time nothing."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def inductor_decompositions() -> dict:
     return _select_decomp_table()
 

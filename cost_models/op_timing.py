@@ -1,0 +1,122 @@
+"""Measured times of the compute-bound ops a plan may recompute (matmuls, convolutions, attention).
+
+A roofline over one matmul rate misprices them on CPU: Llama small's causal attention (4 x 4
+heads, 128 tokens, head dim 32) was estimated at 148 us a call from its FLOPs and ran 470-510 us
+(`python benchmarks/step_profile.py --model llama --budget 10389253`: one recomputed call added
+508 us a step), and its projections ran at 140-170 GFLOP/s where the 256^3 profile matmul read
+200-230. The solver traded memory for time with those prices. So, where the profile says so
+(the measured CPU profile), each distinct op call (op, shapes, strides, dtypes, other arguments,
+thread count) is run on random inputs once per process and its fastest time is the estimate.
+
+Only ops with a FLOP formula are timed (pointwise ops stay on the bandwidth roofline: Inductor
+fuses them, so a lone op's time says little). Not timed, the roofline stays: symbolic sizes,
+inputs above MAX_INPUT_BYTES, a first call slower than MAX_CALL_S (timed once), and ops that fail
+on random inputs. A process spends at most TIME_BUDGET_S measuring.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.fx as fx
+
+from memcompile import _torch_private as tp
+
+log = logging.getLogger(__name__)
+
+MAX_INPUT_BYTES = 64 * 2**20
+MAX_CALL_S = 0.05
+TIME_BUDGET_S = 2.0
+REPEATS = 3
+TIME_OPS = os.environ.get("MEMCOMPILE_TIME_OPS", "1") != "0"
+
+_measured: dict[tuple, float | None] = {}
+_spent_s = [0.0]
+
+
+def _describe(value: object) -> object:
+    """A hashable description of one argument: tensors by shape, strides and dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", _concrete(value.shape), _concrete(value.stride()), value.dtype, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise TypeError("symbolic")
+    return repr(value)
+
+
+def _concrete(sizes) -> tuple[int, ...]:
+    if any(isinstance(s, torch.SymInt) for s in sizes):
+        raise TypeError("symbolic")
+    return tuple(sizes)
+
+
+def _real(value: object) -> object:
+    """A real CPU tensor like `value` (fake or meta), random where it is floating point."""
+    if isinstance(value, torch.Tensor):
+        real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype)
+        return real.normal_() if real.is_floating_point() else real.zero_()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real(v) for v in value)
+    return value
+
+
+def _meta(arg: object) -> object:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def measured_op_time_s(node: fx.Node) -> float | None:
+    """The fastest of a few runs of `node`'s op on random CPU inputs of its shapes, or None where
+    it is not timed (see the module's docstring). Cached per distinct call."""
+    if not TIME_OPS or not hasattr(node.target, "_overloadpacket"):  # ATen ops only
+        return None
+    args = fx.node.map_aggregate(node.args, _meta)
+    kwargs = fx.node.map_aggregate(node.kwargs, _meta)
+    try:
+        key = (str(node.target), _describe(args), _describe(tuple(sorted(kwargs.items()))), torch.get_num_threads())
+    except TypeError:
+        return None
+    if key in _measured:
+        return _measured[key]
+    tensors = list(_flat(args, kwargs))
+    if _spent_s[0] >= TIME_BUDGET_S or any(t.device.type != "cpu" for t in tensors) \
+            or sum(t.numel() * t.itemsize for t in tensors) > MAX_INPUT_BYTES:
+        return None
+    measured = _time(node.target, args, kwargs)
+    # two significant digits: timings jitter; plans (and their cache keys) should not
+    _measured[key] = None if measured is None else float(f"{measured:.2g}")
+    return _measured[key]
+
+
+def _flat(*values: object):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _flat(*value)
+        elif isinstance(value, dict):
+            yield from _flat(*value.values())
+
+
+def _time(op, args, kwargs) -> float | None:
+    started = time.perf_counter()
+    try:
+        with tp.outside_tracing_modes(), torch.no_grad():
+            real_args, real_kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}
+            first = time.perf_counter()
+            op(*real_args, **real_kwargs)
+            best = time.perf_counter() - first
+            if best <= MAX_CALL_S:
+                for _ in range(REPEATS):
+                    start = time.perf_counter()
+                    op(*real_args, **real_kwargs)
+                    best = min(best, time.perf_counter() - start)
+    except Exception as error:  # noqa: BLE001 - an estimate only: the roofline stays
+        log.debug("memcompile: %s could not be timed (%s: %s)", op, type(error).__name__, error)
+        return None
+    finally:
+        _spent_s[0] += time.perf_counter() - started
+    return best

@@ -1,0 +1,126 @@
+"""Compute-bound ops timed on the CPU (cost_models/op_timing.py) instead of priced by the roofline."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from memcompile.cost_models import op_timing
+from memcompile.cost_models.device import DeviceProfile
+from memcompile.cost_models.node_cost import estimate_node_time_s
+
+ROOFLINE = DeviceProfile("test", matmul_flops_per_s=1e11, memory_bytes_per_s=1e10, host_link_bytes_per_s=0.0,
+                         op_overhead_s=2e-6)
+TIMED = dataclasses.replace(ROOFLINE, times_ops=True)
+TICK_S = 0.001
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fresh cache and a fake clock: every op call takes TICK_S; records what was called and how."""
+    calls = []
+    now = itertools.count()
+    monkeypatch.setattr(op_timing, "_measured", {})
+    monkeypatch.setattr(op_timing, "_spent_s", [0.0])
+    monkeypatch.setattr(op_timing, "TIME_OPS", True)
+    monkeypatch.setattr(op_timing.time, "perf_counter", lambda: next(now) * TICK_S / 2)
+    original = op_timing._time
+
+    def timed(op, args, kwargs):
+        calls.append((op, args, kwargs))
+        return original(op, args, kwargs)
+
+    monkeypatch.setattr(op_timing, "_time", timed)
+    return calls
+
+
+def _nodes(fn, *inputs, mode="fake"):
+    graph = make_fx(fn, tracing_mode=mode)(*inputs).graph
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 96), k=st.integers(1, 96), n=st.integers(1, 96), transposed=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_a_matmul_is_timed_once_per_distinct_call_on_real_inputs_of_its_layout(m, k, n, transposed, dtype):
+    """The estimate is the timed call (here a fake clock: two clock reads a call, TICK_S apart),
+    on real CPU tensors of the node's shapes, strides and dtype, even under the compile's fake
+    mode; a second node of the same call is not timed again; the roofline profile times none."""
+    calls, now = [], itertools.count()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(op_timing, "_measured", {})
+        patch.setattr(op_timing, "_spent_s", [0.0])
+        patch.setattr(op_timing, "TIME_OPS", True)
+        patch.setattr(op_timing.time, "perf_counter", lambda: next(now) * TICK_S / 2)
+        original = op_timing._time
+        patch.setattr(op_timing, "_time", lambda op, a, kw: calls.append(a) or original(op, a, kw))
+        a = torch.randn(m, k, dtype=dtype)
+        b = torch.randn(n, k, dtype=dtype).t() if transposed else torch.randn(k, n, dtype=dtype)
+        first, _add, second = _nodes(lambda a, b: (a @ b, (a + 0) @ b), a, b)
+        assert first.target == second.target == torch.ops.aten.mm.default
+        with torch._subclasses.fake_tensor.FakeTensorMode():  # as inside the partitioner
+            assert estimate_node_time_s(first, TIMED) == pytest.approx(TICK_S / 2)
+        assert estimate_node_time_s(second, TIMED) == pytest.approx(TICK_S / 2)
+        assert len(calls) == 1
+        (real_a, real_b) = [op_timing._real(x) for x in calls[0]]
+        assert real_b.stride() == b.stride() and real_a.shape == a.shape and real_a.dtype == dtype
+        assert estimate_node_time_s(first, ROOFLINE) == pytest.approx(
+            max(2 * m * k * n / ROOFLINE.matmul_rate(dtype), (a.nbytes + b.nbytes + m * n * a.itemsize) / 1e10) + 2e-6)
+
+
+def test_pointwise_ops_symbolic_sizes_and_large_inputs_stay_on_the_roofline(clock, monkeypatch):
+    x = torch.randn(64, 64)
+    (add,) = _nodes(lambda x: x + 1, x)
+    assert estimate_node_time_s(add, TIMED) == estimate_node_time_s(add, ROOFLINE)
+    (mm,) = _nodes(lambda a: a @ a, torch.randn(5, 5), mode="symbolic")
+    assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
+    monkeypatch.setattr(op_timing, "MAX_INPUT_BYTES", 2 * x.nbytes - 1)
+    (mm,) = _nodes(lambda a: a @ a, x)
+    assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
+    assert clock == []  # none was run
+
+
+def test_an_op_that_fails_on_random_inputs_or_a_spent_budget_keeps_the_roofline(clock, monkeypatch):
+    (mm,) = _nodes(lambda a: a @ a, torch.randn(8, 8))
+
+    def fails(value):
+        raise RuntimeError("index out of range")  # what an indexing op on random inputs may do
+
+    monkeypatch.setattr(op_timing, "_real", fails)
+    assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
+    assert len(clock) == 1 and op_timing._spent_s[0] > 0
+    op_timing._spent_s[0] = op_timing.TIME_BUDGET_S
+    (bmm,) = [n for n in _nodes(torch.bmm, torch.randn(2, 8, 8), torch.randn(2, 8, 8))]
+    assert estimate_node_time_s(bmm, TIMED) == estimate_node_time_s(bmm, ROOFLINE)
+    assert len(clock) == 1
+
+
+def test_a_slow_first_call_is_not_repeated(clock, monkeypatch):
+    monkeypatch.setattr(op_timing, "MAX_CALL_S", TICK_S / 4)  # the first call (TICK_S / 2) is slower
+    (mm,) = _nodes(lambda a: a @ a, torch.randn(8, 8))
+    reads = []
+    fake = op_timing.time.perf_counter
+    monkeypatch.setattr(op_timing.time, "perf_counter", lambda: reads.append(1) or fake())
+    assert estimate_node_time_s(mm, TIMED) == pytest.approx(TICK_S / 2)
+    assert len(reads) == 4  # the budget's two reads and the one call's two
+
+
+def test_cpu_attention_is_timed_by_running_it():
+    """The call the roofline priced at a third of its time (Llama small's attention): timed on
+    real inputs, its estimate is a positive time of the order of one real call, whatever the
+    machine (no timing asserted beyond that)."""
+    q, k, v = (torch.randn(2, 4, 128, 32) for _ in range(3))
+    nodes = _nodes(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    (attention,) = [n for n in nodes if "flash_attention" in str(n.target)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(op_timing, "_measured", {})
+        patch.setattr(op_timing, "_spent_s", [0.0])
+        patch.setattr(op_timing, "TIME_OPS", True)
+        timed = estimate_node_time_s(attention, TIMED)
+        assert timed > 0 and timed != estimate_node_time_s(attention, ROOFLINE)
+        assert len(op_timing._measured) == 1 and list(op_timing._measured.values()) == [timed]
