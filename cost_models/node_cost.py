@@ -40,6 +40,11 @@ _FLOPS_TORCH_LACKS = {
 }
 
 
+def _meta_arguments(node: fx.Node) -> tuple[tuple, dict]:
+    """The node's arguments with its input nodes replaced by their fake values."""
+    return torch.fx.node.map_aggregate(node.args, _meta_value), torch.fx.node.map_aggregate(node.kwargs, _meta_value)
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs of the op per torch.utils.flop_counter's formulas, or ours for ops it has none for
     (_FLOPS_TORCH_LACKS); 0 for ops neither has (pointwise, data movement: timed by bytes)."""
@@ -50,8 +55,7 @@ def node_flops(node: fx.Node) -> int:
         formula = lambda *args, out_val=None, **kwargs: ours(*args, **kwargs)  # noqa: E731
     if formula is None:
         return 0
-    args = torch.fx.node.map_aggregate(node.args, _meta_value)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, _meta_value)
+    args, kwargs = _meta_arguments(node)
     try:
         flops = formula(*args, out_val=node.meta.get("val"), **kwargs)
     except Exception:  # a formula that cannot read these shapes: treat the op as memory-bound
@@ -79,7 +83,7 @@ def estimate_node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
         val = next((v for v in val if isinstance(v, torch.Tensor)), None)
     flops = node_flops(node)
     if flops and profile.times_ops:
-        measured = measured_op_time_s(node)
+        measured = measured_op_time_s(node.target, *_meta_arguments(node))
         if measured is not None:
             return measured
     compute_s = flops / profile.matmul_rate(val.dtype if isinstance(val, torch.Tensor) else None)

@@ -21,7 +21,6 @@ import os
 import time
 
 import torch
-import torch.fx as fx
 
 from memcompile import _torch_private as tp
 
@@ -55,28 +54,26 @@ def _concrete(sizes) -> tuple[int, ...]:
 
 
 def _real(value: object) -> object:
-    """A real CPU tensor like `value` (fake or meta), random where it is floating point."""
+    """A real CPU tensor like `value` (fake or meta), random where it is floating point; its
+    storage filled first, so broadcast (stride 0) layouts are made as they are."""
     if isinstance(value, torch.Tensor):
-        real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype)
-        return real.normal_() if real.is_floating_point() else real.zero_()
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride())) if value.numel() else 0
+        storage = torch.empty(extent, dtype=value.dtype)
+        storage = storage.normal_() if storage.is_floating_point() else storage.zero_()
+        return storage.as_strided(tuple(value.shape), tuple(value.stride()))
     if isinstance(value, (list, tuple)):
         return type(value)(_real(v) for v in value)
     return value
 
 
-def _meta(arg: object) -> object:
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-
-def measured_op_time_s(node: fx.Node) -> float | None:
-    """The fastest of a few runs of `node`'s op on random CPU inputs of its shapes, or None where
-    it is not timed (see the module's docstring). Cached per distinct call."""
-    if not TIME_OPS or not hasattr(node.target, "_overloadpacket"):  # ATen ops only
+def measured_op_time_s(op: object, args: tuple, kwargs: dict) -> float | None:
+    """The fastest of a few runs of `op` on random CPU inputs like `args` and `kwargs` (a node's
+    arguments, tensors as their fake values), or None where it is not timed (see the module's
+    docstring). Cached per distinct call."""
+    if not TIME_OPS or not hasattr(op, "_overloadpacket"):  # ATen ops only
         return None
-    args = fx.node.map_aggregate(node.args, _meta)
-    kwargs = fx.node.map_aggregate(node.kwargs, _meta)
     try:
-        key = (str(node.target), _describe(args), _describe(tuple(sorted(kwargs.items()))), torch.get_num_threads())
+        key = (str(op), _describe(args), _describe(tuple(sorted(kwargs.items()))), torch.get_num_threads())
     except TypeError:
         return None
     if key in _measured:
@@ -85,7 +82,7 @@ def measured_op_time_s(node: fx.Node) -> float | None:
     if _spent_s[0] >= TIME_BUDGET_S or any(t.device.type != "cpu" for t in tensors) \
             or sum(t.numel() * t.itemsize for t in tensors) > MAX_INPUT_BYTES:
         return None
-    measured = _time(node.target, args, kwargs)
+    measured = _time(op, args, kwargs)
     # two significant digits: timings jitter; plans (and their cache keys) should not
     _measured[key] = None if measured is None else float(f"{measured:.2g}")
     return _measured[key]

@@ -124,3 +124,13 @@ def test_cpu_attention_is_timed_by_running_it():
         timed = estimate_node_time_s(attention, TIMED)
         assert timed > 0 and timed != estimate_node_time_s(attention, ROOFLINE)
         assert len(op_timing._measured) == 1 and list(op_timing._measured.values()) == [timed]
+
+
+def test_a_broadcast_operand_is_made_in_its_own_layout(clock):
+    """An expanded (stride 0) operand cannot be filled in place; its storage is filled first."""
+    row, b = torch.randn(1, 16), torch.randn(16, 16)
+    (mm,) = [n for n in _nodes(lambda row, b: torch.mm(row.expand(16, 16), b), row, b)
+             if n.target == torch.ops.aten.mm.default]
+    assert estimate_node_time_s(mm, TIMED) == pytest.approx(TICK_S / 2)
+    (real_a, _) = [op_timing._real(x) for x in clock[0][1]]
+    assert real_a.stride() == (0, 1) and real_a.shape == (16, 16) and torch.isfinite(real_a).all()
