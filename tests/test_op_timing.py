@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from memcompile import _torch_private as tp
 from memcompile.cost_models import op_timing
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.node_cost import estimate_node_time_s
@@ -20,23 +21,23 @@ TIMED = dataclasses.replace(ROOFLINE, times_ops=True)
 TICK_S = 0.001
 
 
+def _fake_clock(patch: pytest.MonkeyPatch) -> tuple[list, list]:
+    """A fresh cache and a fake clock (each read advances TICK_S / 2, so every run of an op reads
+    TICK_S / 2); returns the ops timed (op, args, kwargs) and the tensors made to run them."""
+    calls, made, now = [], [], itertools.count()
+    patch.setattr(op_timing, "_measured", {})
+    patch.setattr(op_timing, "_spent_s", [0.0])
+    patch.setattr(op_timing, "TIME_OPS", True)
+    patch.setattr(op_timing.time, "perf_counter", lambda: next(now) * TICK_S / 2)
+    time_op, real = op_timing._time, op_timing._real
+    patch.setattr(op_timing, "_time", lambda op, args, kwargs: calls.append((op, args, kwargs)) or time_op(op, args, kwargs))
+    patch.setattr(op_timing, "_real", lambda value: made.append(real(value)) or made[-1])
+    return calls, made
+
+
 @pytest.fixture
 def clock(monkeypatch):
-    """A fresh cache and a fake clock: every op call takes TICK_S; records what was called and how."""
-    calls = []
-    now = itertools.count()
-    monkeypatch.setattr(op_timing, "_measured", {})
-    monkeypatch.setattr(op_timing, "_spent_s", [0.0])
-    monkeypatch.setattr(op_timing, "TIME_OPS", True)
-    monkeypatch.setattr(op_timing.time, "perf_counter", lambda: next(now) * TICK_S / 2)
-    original = op_timing._time
-
-    def timed(op, args, kwargs):
-        calls.append((op, args, kwargs))
-        return original(op, args, kwargs)
-
-    monkeypatch.setattr(op_timing, "_time", timed)
-    return calls
+    return _fake_clock(monkeypatch)[0]
 
 
 def _nodes(fn, *inputs, mode="fake"):
@@ -48,17 +49,11 @@ def _nodes(fn, *inputs, mode="fake"):
 @given(m=st.integers(1, 96), k=st.integers(1, 96), n=st.integers(1, 96), transposed=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
 def test_a_matmul_is_timed_once_per_distinct_call_on_real_inputs_of_its_layout(m, k, n, transposed, dtype):
-    """The estimate is the timed call (here a fake clock: two clock reads a call, TICK_S apart),
-    on real CPU tensors of the node's shapes, strides and dtype, even under the compile's fake
-    mode; a second node of the same call is not timed again; the roofline profile times none."""
-    calls, now = [], itertools.count()
+    """The estimate is the timed call (a fake clock here), run on real CPU tensors of the node's
+    shapes, strides and dtype, even under the compile's fake mode; a second node of the same
+    call is not timed again; the roofline profile times none."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(op_timing, "_measured", {})
-        patch.setattr(op_timing, "_spent_s", [0.0])
-        patch.setattr(op_timing, "TIME_OPS", True)
-        patch.setattr(op_timing.time, "perf_counter", lambda: next(now) * TICK_S / 2)
-        original = op_timing._time
-        patch.setattr(op_timing, "_time", lambda op, a, kw: calls.append(a) or original(op, a, kw))
+        calls, made = _fake_clock(patch)
         a = torch.randn(m, k, dtype=dtype)
         b = torch.randn(n, k, dtype=dtype).t() if transposed else torch.randn(k, n, dtype=dtype)
         first, _add, second = _nodes(lambda a, b: (a @ b, (a + 0) @ b), a, b)
@@ -67,7 +62,8 @@ def test_a_matmul_is_timed_once_per_distinct_call_on_real_inputs_of_its_layout(m
             assert estimate_node_time_s(first, TIMED) == pytest.approx(TICK_S / 2)
         assert estimate_node_time_s(second, TIMED) == pytest.approx(TICK_S / 2)
         assert len(calls) == 1
-        (real_a, real_b) = [op_timing._real(x) for x in calls[0]]
+        real_a, real_b = made[-1]  # the args tuple, made in one call
+        assert not any(tp.is_fake_tensor(t) for t in (real_a, real_b))
         assert real_b.stride() == b.stride() and real_a.shape == a.shape and real_a.dtype == dtype
         assert estimate_node_time_s(first, ROOFLINE) == pytest.approx(
             max(2 * m * k * n / ROOFLINE.matmul_rate(dtype), (a.nbytes + b.nbytes + m * n * a.itemsize) / 1e10) + 2e-6)
