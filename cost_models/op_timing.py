@@ -1,10 +1,11 @@
 """Measured times of the compute-bound ops a plan may recompute (matmuls, convolutions, attention).
 
-A roofline over one matmul rate misprices them on CPU: Llama small's causal attention (4 x 4
-heads, 128 tokens, head dim 32) was estimated at 148 us a call from its FLOPs and ran 470-510 us
-(`python benchmarks/step_profile.py --model llama --budget 10389253`: one recomputed call added
-508 us a step), and its projections ran at 140-170 GFLOP/s where the 256^3 profile matmul read
-200-230. The solver traded memory for time with those prices. So, where the profile says so
+A roofline over one matmul rate misprices some of them on CPU: Llama small's causal attention
+(4 x 4 heads, 128 tokens, head dim 32) was estimated at 148 us a call from its FLOPs (the s14
+plan at 9.91 MiB), where one recomputed call added 508 us to a step (`python
+benchmarks/step_profile.py --model llama --budget 10389253`); alone it runs in about twice its
+roofline (`python benchmarks/op_timing_check.py`: 162 us roofline, 352 us median). The solver
+traded memory for time with those prices. So, where the profile says so
 (the measured CPU profile), each distinct op call (op, shapes, strides, dtypes, other arguments,
 thread count) is run on random inputs once per process and its fastest time is the estimate.
 
