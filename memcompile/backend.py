@@ -27,7 +27,7 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options
 from memcompile.plan import Plan, format_bytes
 from memcompile.plan_cache import source_hash
-from memcompile.planner import PlanRequest, Replanner, plan_joint_graph
+from memcompile.planner import NoSolverPlanFits, PlanRequest, Replanner, plan_joint_graph
 from memcompile.sizes import planning_sizes, planning_sizes_now
 
 log = logging.getLogger("memcompile")
@@ -189,12 +189,18 @@ class _Region:
         cautious = backend.in_first_step() and (position > 0 or backend.compiled_ahead > 0)
         kind = "least" if cautious else "outside"
 
-        def compile_for(o: int) -> _Variant:
+        def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
             return self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
-                                 PlanRequest(least_peak=cautious))
+                                 PlanRequest(least_peak=cautious, search_least_peak=search_least_peak))
 
+        # Where the loss head could be chunked, a graph no solver plan fits is not searched for
+        # its least peak before the chunked head is planned (_chunked_before_least_peak).
+        defer = (not cautious and outside <= 0 and backend.options.chunk_loss == "auto" and not self.loss_heads
+                 and bool(find_loss_heads(self.gm.graph)))
         try:
-            self._first = self._plan_for_position(position, outside, compile_for)
+            self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
+        except NoSolverPlanFits:
+            self._first = self._chunked_before_least_peak(position, outside, compile_for)
         except InfeasibleBudgetError as error:
             if backend.options.chunk_loss != "auto" or self.loss_heads or not self._chunk_loss_heads():
                 raise
@@ -214,6 +220,28 @@ class _Region:
         # and counting it made the retried compile of a one-region step cautious (its least peak).
         backend.compiled_ahead += 1
         self._current = (self._first, outside)
+
+    def _chunked_before_least_peak(self, position: int, outside: int, compile_for: Callable[[int], _Variant]
+                                   ) -> _Variant:
+        """No solver plan fits with the loss head whole: plan the chunked head before searching
+        the whole head's least peak (Llama small at 9.91 MiB: that search took 25 of a 63 s first
+        call, benchmarks/compile_profile.py, for a plan the chunked head's then replaced). Only
+        if the chunked head fails too is the whole head planned again as before: its least-peak
+        plan may still fit; else the error names the smaller of the two smallest budgets."""
+        whole = (self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason)
+        if self._chunk_loss_heads():
+            self.chunk_reason = "no solver plan fits with the head whole"
+            log.info("memcompile: no solver plan fits with the loss head whole; chunking it: %s",
+                     "; ".join(h.describe() for h in self.loss_heads))
+            try:
+                return self._plan_for_position(position, outside, compile_for)
+            except InfeasibleBudgetError as chunked_error:
+                self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = whole
+                try:
+                    return self._plan_for_position(position, outside, compile_for)
+                except InfeasibleBudgetError as error:
+                    raise chunked_error if chunked_error.min_feasible_bytes <= error.min_feasible_bytes else error
+        return self._plan_for_position(position, outside, compile_for)
 
     def _chunk_if_faster(self, position: int, outside: int, compile_for: Callable[[int], _Variant],
                          device: str) -> None:

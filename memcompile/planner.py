@@ -240,6 +240,8 @@ def _plan_joint_graph(
                 chosen = forced
     if chosen is None and not (request is not None and request.least_peak):
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
+    if chosen is None and request is not None and not (request.search_least_peak or request.least_peak):
+        raise NoSolverPlanFits(budget)
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
@@ -437,11 +439,19 @@ def _calibrated_to(analysis: JointAnalysis, checked: _Attempt) -> JointAnalysis:
     return dataclasses.replace(analysis, problem=calibrated(problem, correction))
 
 
+class NoSolverPlanFits(Exception):
+    """No PyTorch partition or solver plan fits; the least-peak search (which may still find one,
+    and otherwise names the smallest budget) was not run, as PlanRequest.search_least_peak asked."""
+
+
 @dataclass
 class PlanRequest:
     """What the backend asks of one planning beyond the budget, and what it gets back."""
 
     least_peak: bool = False  # plan the least peak even where more would fit (a cautious first step)
+    # where no solver plan fits: search the least-peak plan (which may fit, else names the
+    # smallest budget), or raise NoSolverPlanFits at once (the backend tries a rewritten graph first)
+    search_least_peak: bool = True
     decisions: ActivationSolution | StockSolution | None = None  # run these decisions (an option chosen for the whole step)
     fingerprint: tuple | None = None  # of the problem `decisions` index; ignored if this graph differs
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
@@ -779,12 +789,12 @@ def plan_joint_graph(
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     """`_plan_joint_graph`, with a last resort: if planning itself fails (a bug, an op a pass
     cannot read), PyTorch's own partition runs, with a warning, instead of killing the run.
-    An infeasible budget is not a failure: InfeasibleBudgetError propagates."""
+    An infeasible budget is not a failure: InfeasibleBudgetError (and NoSolverPlanFits) propagate."""
     try:
         return _plan_joint_graph(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                  static_lifetime_input_indices=static_lifetime_input_indices,
                                  options=options, graph_id=graph_id, request=request)
-    except InfeasibleBudgetError:
+    except (InfeasibleBudgetError, NoSolverPlanFits):
         raise
     except Exception as error:  # noqa: BLE001 - degrade to the stock partition, never abort training
         log.warning("memcompile: planning %s failed (%s: %s); using PyTorch's default partition, "

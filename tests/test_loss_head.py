@@ -196,6 +196,41 @@ def test_auto_chunks_the_head_where_no_plan_fits_without_it() -> None:
     assert all(not p.graph_rewrites for p in backend.plans)
 
 
+def test_the_whole_heads_least_peak_is_not_searched_when_the_chunked_head_fits(monkeypatch) -> None:
+    """Where no solver plan fits with the head whole, the chunked head is planned before the whole
+    head's least-peak search (Llama small at 9.91 MiB: 25 s of a 63 s first call, for a plan the
+    chunked head's replaced); the plan and its gradients are as before. Below both floors the
+    whole head is planned again, and the error still names the smaller floor."""
+    from memcompile import planner
+
+    model, ids = _head_bound_lm()
+    whole_floor, _ = budget_range(model, ids, chunk_loss=False)
+    chunked_floor, _ = budget_range(model, ids, chunk_loss=True)
+    searched = []
+    original = planner._least_peak_attempt
+
+    def least_peak(joint, *args, **kwargs):
+        searched.append(any("chunked_linear_cross_entropy" in str(n.target) for n in joint.graph.nodes))
+        return original(joint, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_least_peak_attempt", least_peak)
+    budget = (chunked_floor + whole_floor) // 2
+    backend, compiled = compile_under(model, budget)
+    got = grads(list(model.parameters()), lambda: compiled(ids))
+    (plan,) = backend.plans
+    assert "chunked into" in plan.graph_rewrites[0] and plan.predicted_peak_bytes <= plan.step_budget_bytes
+    assert all(searched)  # no search of the whole head's graph
+    for g, want in zip(got, grads(list(model.parameters()), lambda: model(ids))):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    torch.compiler.reset()
+    searched.clear()
+    _, compiled = compile_under(model, chunked_floor - 1)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+        compiled(ids)
+    assert info.value.min_feasible_bytes == min(chunked_floor, whole_floor)
+    assert sorted(searched) == [False, True]  # both graphs searched once the chunked head failed
+
+
 def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing() -> None:
     # wide layers (512 x 256 activations) before a 2048-class head: with the head whole, budgets
     # below keep-all are met by recomputing those layers, which chunking the head may avoid
