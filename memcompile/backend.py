@@ -194,23 +194,17 @@ class _Region:
                                  PlanRequest(least_peak=cautious, search_least_peak=search_least_peak))
 
         # Where the loss head could be chunked, a graph no solver plan fits is not searched for
-        # its least peak before the chunked head is planned (_chunked_before_least_peak).
+        # its least peak before the chunked head is planned (_plan_chunked).
         defer = (not cautious and outside <= 0 and backend.options.chunk_loss == "auto" and not self.loss_heads
                  and bool(find_loss_heads(self.gm.graph)))
         try:
             self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
         except NoSolverPlanFits:
-            self._first = self._chunked_before_least_peak(position, outside, compile_for)
+            self._first = self._plan_chunked(position, outside, compile_for, whole_error=None)
         except InfeasibleBudgetError as error:
-            if backend.options.chunk_loss != "auto" or self.loss_heads or not self._chunk_loss_heads():
+            if backend.options.chunk_loss != "auto" or self.loss_heads:
                 raise
-            self.chunk_reason = "no plan fits with the head whole"
-            log.info("memcompile: no plan fits with the loss head whole (min %s); chunking it: %s",
-                     format_bytes(error.min_feasible_bytes), "; ".join(h.describe() for h in self.loss_heads))
-            try:
-                self._first = self._plan_for_position(position, outside, compile_for)
-            except InfeasibleBudgetError as chunked_error:
-                raise chunked_error if chunked_error.min_feasible_bytes <= error.min_feasible_bytes else error
+            self._first = self._plan_chunked(position, outside, compile_for, whole_error=error)
         else:
             if not cautious and backend.options.chunk_loss == "auto":
                 self._chunk_if_faster(position, outside, compile_for,
@@ -221,27 +215,33 @@ class _Region:
         backend.compiled_ahead += 1
         self._current = (self._first, outside)
 
-    def _chunked_before_least_peak(self, position: int, outside: int, compile_for: Callable[[int], _Variant]
-                                   ) -> _Variant:
-        """No solver plan fits with the loss head whole: plan the chunked head before searching
-        the whole head's least peak (Llama small at 9.91 MiB: that search took 25 of a 63 s first
-        call, benchmarks/compile_profile.py, for a plan the chunked head's then replaced). Only
-        if the chunked head fails too is the whole head planned again as before: its least-peak
-        plan may still fit; else the error names the smaller of the two smallest budgets."""
+    def _plan_chunked(self, position: int, outside: int, compile_for: Callable[[int], _Variant],
+                      whole_error: InfeasibleBudgetError | None) -> _Variant:
+        """No plan fits with the loss head whole (`whole_error`, its smallest budget), or no solver
+        plan (None: its least peak not searched yet): plan the chunked head. Where that fails too,
+        the error names the smaller of the two smallest budgets; with the whole head's least peak
+        not searched yet, the whole head is planned again as before first (its least-peak plan may
+        fit). Deferring that search saved 25 of a 63 s first call on Llama small at 9.91 MiB
+        (benchmarks/compile_profile.py), where the chunked head's plan was the one used."""
         whole = (self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason)
-        if self._chunk_loss_heads():
-            self.chunk_reason = "no solver plan fits with the head whole"
-            log.info("memcompile: no solver plan fits with the loss head whole; chunking it: %s",
-                     "; ".join(h.describe() for h in self.loss_heads))
-            try:
-                return self._plan_for_position(position, outside, compile_for)
-            except InfeasibleBudgetError as chunked_error:
+        if not self._chunk_loss_heads():
+            if whole_error is not None:
+                raise whole_error
+            return self._plan_for_position(position, outside, compile_for)
+        self.chunk_reason = "no plan fits with the head whole" if whole_error else "no solver plan fits with the head whole"
+        log.info("memcompile: %s (min %s); chunking it: %s", self.chunk_reason,
+                 format_bytes(whole_error.min_feasible_bytes) if whole_error else "not searched",
+                 "; ".join(h.describe() for h in self.loss_heads))
+        try:
+            return self._plan_for_position(position, outside, compile_for)
+        except InfeasibleBudgetError as chunked_error:
+            if whole_error is None:
                 self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = whole
                 try:
                     return self._plan_for_position(position, outside, compile_for)
                 except InfeasibleBudgetError as error:
-                    raise chunked_error if chunked_error.min_feasible_bytes <= error.min_feasible_bytes else error
-        return self._plan_for_position(position, outside, compile_for)
+                    whole_error = error
+            raise chunked_error if chunked_error.min_feasible_bytes <= whole_error.min_feasible_bytes else whole_error
 
     def _chunk_if_faster(self, position: int, outside: int, compile_for: Callable[[int], _Variant],
                          device: str) -> None:
