@@ -83,7 +83,7 @@ def estimate_node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
         val = next((v for v in val if isinstance(v, torch.Tensor)), None)
     flops = node_flops(node)
     if flops and profile.times_ops:
-        measured = measured_op_time_s(node.target, *_meta_arguments(node))
+        measured = measured_op_time_s(node.target, *_meta_arguments(node), node.meta.get("val"))
         if measured is not None:
             return measured
     compute_s = flops / profile.matmul_rate(val.dtype if isinstance(val, torch.Tensor) else None)

@@ -11,7 +11,7 @@ thread count) is run on random inputs once per process and its fastest time is t
 
 Only ops with a FLOP formula are timed (pointwise ops stay on the bandwidth roofline: Inductor
 fuses them, so a lone op's time says little). Not timed, the roofline stays: symbolic sizes,
-inputs above MAX_INPUT_BYTES, a first call slower than MAX_CALL_S (timed once), and ops that fail
+inputs and results above MAX_BYTES together (what timing allocates), a first call slower than MAX_CALL_S (timed once), and ops that fail
 on random inputs. A process spends at most TIME_BUDGET_S measuring.
 """
 
@@ -27,7 +27,7 @@ from memcompile import _torch_private as tp
 
 log = logging.getLogger(__name__)
 
-MAX_INPUT_BYTES = 64 * 2**20
+MAX_BYTES = 64 * 2**20
 MAX_CALL_S = 0.05
 TIME_BUDGET_S = 2.0
 MIN_REPEATS, MAX_REPEATS, REPEATS_FOR_S = 3, 30, 0.02  # ~20 ms of runs an op, 4 to 31 runs
@@ -67,10 +67,10 @@ def _real(value: object) -> object:
     return value
 
 
-def measured_op_time_s(op: object, args: tuple, kwargs: dict) -> float | None:
+def measured_op_time_s(op: object, args: tuple, kwargs: dict, result: object = None) -> float | None:
     """The fastest of a few runs of `op` on random CPU inputs like `args` and `kwargs` (a node's
-    arguments, tensors as their fake values), or None where it is not timed (see the module's
-    docstring). Cached per distinct call."""
+    arguments, tensors as their fake values; `result` its fake result, for the bytes a run
+    allocates), or None where it is not timed (see the module's docstring). Cached per distinct call."""
     if not TIME_OPS or not hasattr(op, "_overloadpacket"):  # ATen ops only
         return None
     try:
@@ -81,7 +81,7 @@ def measured_op_time_s(op: object, args: tuple, kwargs: dict) -> float | None:
         return _measured[key]
     tensors = list(_flat(args, kwargs))
     if _spent_s[0] >= TIME_BUDGET_S or any(t.device.type != "cpu" for t in tensors) \
-            or sum(t.numel() * t.itemsize for t in tensors) > MAX_INPUT_BYTES:
+            or sum(t.numel() * t.itemsize for t in [*tensors, *_flat(result)]) > MAX_BYTES:
         return None
     measured = _time(op, args, kwargs)
     # two significant digits: timings jitter; plans (and their cache keys) should not

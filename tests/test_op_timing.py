@@ -69,16 +69,21 @@ def test_a_matmul_is_timed_once_per_distinct_call_on_real_inputs_of_its_layout(m
             max(2 * m * k * n / ROOFLINE.matmul_rate(dtype), (a.nbytes + b.nbytes + m * n * a.itemsize) / 1e10) + 2e-6)
 
 
-def test_pointwise_ops_symbolic_sizes_and_large_inputs_stay_on_the_roofline(clock, monkeypatch):
+def test_pointwise_ops_symbolic_sizes_and_large_tensors_stay_on_the_roofline(clock, monkeypatch):
     x = torch.randn(64, 64)
     (add,) = _nodes(lambda x: x + 1, x)
     assert estimate_node_time_s(add, TIMED) == estimate_node_time_s(add, ROOFLINE)
     (mm,) = _nodes(lambda a: a @ a, torch.randn(5, 5), mode="symbolic")
     assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
-    monkeypatch.setattr(op_timing, "MAX_INPUT_BYTES", 2 * x.nbytes - 1)
+    # an outer product: 32 KiB of inputs, a result over MAX_BYTES (a run would allocate it)
+    (outer,) = _nodes(torch.mm, torch.randn(4097, 1), torch.randn(1, 4097))
+    assert estimate_node_time_s(outer, TIMED) == estimate_node_time_s(outer, ROOFLINE)
+    monkeypatch.setattr(op_timing, "MAX_BYTES", 3 * x.nbytes - 1)  # inputs and result: 3 x.nbytes
     (mm,) = _nodes(lambda a: a @ a, x)
     assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
     assert clock == []  # none was run
+    monkeypatch.setattr(op_timing, "MAX_BYTES", 3 * x.nbytes)
+    assert estimate_node_time_s(mm, TIMED) == pytest.approx(TICK_S / 2) and len(clock) == 1
 
 
 def test_an_op_that_fails_on_random_inputs_or_a_spent_budget_keeps_the_roofline(clock, monkeypatch):
