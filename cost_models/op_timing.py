@@ -11,8 +11,9 @@ thread count) is run on random inputs once per process and its fastest time is t
 
 Only ops with a FLOP formula are timed (pointwise ops stay on the bandwidth roofline: Inductor
 fuses them, so a lone op's time says little). Not timed, the roofline stays: symbolic sizes,
-inputs and results above MAX_BYTES together (what timing allocates), a first call slower than MAX_CALL_S (timed once), and ops that fail
-on random inputs. A process spends at most TIME_BUDGET_S measuring.
+inputs and result above MAX_BYTES together (what a run allocates), and ops that fail on random
+inputs. A first call slower than MAX_CALL_S is not repeated. A process spends at most
+TIME_BUDGET_S measuring.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ class _Region:
         not searched yet, the whole head is planned again as before first (its least-peak plan may
         fit). Deferring that search saved 25 of a 63 s first call on Llama small at 9.91 MiB
         (benchmarks/compile_profile.py), where the chunked head's plan was the one used."""
-        whole = (self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason)
+        whole = self._head_state()
         if not self._chunk_loss_heads():
             if whole_error is not None:
                 raise whole_error
@@ -236,7 +236,7 @@ class _Region:
             return self._plan_for_position(position, outside, compile_for)
         except InfeasibleBudgetError as chunked_error:
             if whole_error is None:
-                self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = whole
+                self._restore_head_state(whole)
                 try:
                     return self._plan_for_position(position, outside, compile_for)
                 except InfeasibleBudgetError as error:
@@ -260,7 +260,7 @@ class _Region:
         chunking_s = sum(h.added_time_s(profile_for(device)) for h in heads)
         if not heads or plan.added_time_s <= chunking_s:
             return
-        saved = (self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason)
+        saved = self._head_state()
         self._chunk_loss_heads()
         self.chunk_reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms with the head whole, "
                              f"chunking ~{chunking_s * 1e3:.2f} ms plus this plan's recomputation")
@@ -274,9 +274,16 @@ class _Region:
             self._first = chunked
             self._forget_plan(plan)
             return
-        self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = saved
+        self._restore_head_state(saved)
         if chunked is not None and chunked.plan is not None:
             self._forget_plan(chunked.plan)
+
+    def _head_state(self) -> tuple:
+        """What chunking the loss heads changes, to go back to the head whole."""
+        return self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason
+
+    def _restore_head_state(self, state: tuple) -> None:
+        self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = state
 
     def _forget_plan(self, plan: Plan) -> None:
         """Drop the plan of a compile this region does not use from the backend's list."""
