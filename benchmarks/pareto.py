@@ -168,6 +168,7 @@ def child(spec: dict) -> dict:
         inductor_config.fx_graph_cache = False
         functorch_config.enable_autograd_cache = False
         extra = {"quantize": "int8"} if kind == "memcompile_int8" else {}
+        extra.update(spec.get("options", {}))  # e.g. {"chunk_mlp": true} for a comparison by hand
         # Module state the compiled graph never reads (Llama's rotary_emb.original_inv_freq, 64 B)
         # is memory the budget's owner holds outside the step: reserve, as the budget's documented
         # semantics ask of a user. memcompile cannot see it (it is no input of the graph).

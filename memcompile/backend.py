@@ -19,6 +19,7 @@ from memcompile import _torch_private as tp
 from memcompile.cost_models.device import blas_workspace_bytes, profile_for
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads
+from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import InfeasibleBudgetError
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
@@ -155,9 +156,12 @@ class _Region:
     def __init__(self, backend: "Backend", gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         self.backend = backend
         self.loss_heads: tuple[LossHead, ...] = ()
-        self.chunk_reason = ""  # why chunk_loss="auto" chunked them (for the plan)
-        if backend.options.chunk_loss is True:
-            gm, self.loss_heads = chunk_loss_heads(gm)
+        self.mlps: tuple[MlpBlock, ...] = ()
+        self.reasons: dict[str, str] = {}  # why "auto" applied a rewrite, by its attribute (for the plan)
+        for rewrite in _REWRITES:
+            if getattr(backend.options, rewrite.option) is True:
+                gm, found = rewrite.apply(gm)
+                setattr(self, rewrite.attr, found)
         self.gm = gm
         self.pristine_graph = copy.deepcopy(gm.graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -193,111 +197,134 @@ class _Region:
             return self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
                                  PlanRequest(least_peak=cautious, search_least_peak=search_least_peak))
 
-        # Where the loss head could be chunked, a graph no solver plan fits is not searched for
-        # its least peak before the chunked head is planned (_plan_chunked).
-        defer = (not cautious and outside <= 0 and backend.options.chunk_loss == "auto" and not self.loss_heads
-                 and bool(find_loss_heads(self.gm.graph)))
+        # Where a rewrite could lower the floor (a chunked loss head, chunked MLPs), a graph no
+        # solver plan fits is not searched for its least peak before the rewritten graph is planned.
+        defer = not cautious and outside <= 0 and bool(self._pending_rewrites())
         try:
             self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
         except NoSolverPlanFits:
-            self._first = self._plan_chunked(position, outside, compile_for, whole_error=None)
+            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=None)
         except InfeasibleBudgetError as error:
-            if backend.options.chunk_loss != "auto" or self.loss_heads:
+            if not self._pending_rewrites():
                 raise
-            self._first = self._plan_chunked(position, outside, compile_for, whole_error=error)
+            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=error)
         else:
-            if not cautious and backend.options.chunk_loss == "auto":
-                self._chunk_if_faster(position, outside, compile_for,
-                                      backend.options.device or step_device(example_inputs))
+            if not cautious:
+                device = backend.options.device or step_device(example_inputs)
+                for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
+                    self._rewrite_if_faster(rewrite, position, outside, compile_for, device)
         # Counted once compiled: a compile Dynamo abandons (it restarts its analysis from inside
         # the backend, e.g. TensorifyScalarRestartAnalysis under dynamic=True) is never called,
         # and counting it made the retried compile of a one-region step cautious (its least peak).
         backend.compiled_ahead += 1
         self._current = (self._first, outside)
 
-    def _plan_chunked(self, position: int, outside: int, compile_for: Callable[[int], _Variant],
-                      whole_error: InfeasibleBudgetError | None) -> _Variant:
-        """No plan fits with the loss head whole (`whole_error`, its smallest budget), or no solver
-        plan (None: its least peak not searched yet): plan the chunked head. Where that fails too,
-        the error names the smaller of the two smallest budgets; with the whole head's least peak
-        not searched yet, the whole head is planned again as before first (its least-peak plan may
-        fit). Deferring that search saved 25 of a 63 s first call on Llama small at 9.91 MiB
-        (benchmarks/compile_profile.py), where the chunked head's plan was the one used."""
-        whole = self._head_state()
-        if not self._chunk_loss_heads():
-            if whole_error is not None:
-                raise whole_error
-            return self._plan_for_position(position, outside, compile_for)
-        self.chunk_reason = "no plan fits with the head whole" if whole_error else "no solver plan fits with the head whole"
-        log.info("memcompile: %s (min %s); chunking it: %s", self.chunk_reason,
-                 format_bytes(whole_error.min_feasible_bytes) if whole_error else "not searched",
-                 "; ".join(h.describe() for h in self.loss_heads))
-        try:
-            return self._plan_for_position(position, outside, compile_for)
-        except InfeasibleBudgetError as chunked_error:
-            if whole_error is None:
-                self._restore_head_state(whole)
-                try:
-                    return self._plan_for_position(position, outside, compile_for)
-                except InfeasibleBudgetError as error:
-                    whole_error = error
-            raise chunked_error if chunked_error.min_feasible_bytes <= whole_error.min_feasible_bytes else whole_error
+    def _pending_rewrites(self) -> list["_Rewrite"]:
+        """The "auto" rewrites not applied yet that would change this region's graph."""
+        return [r for r in _REWRITES if getattr(self.backend.options, r.option) == "auto" and not getattr(self, r.attr)
+                and r.find(self.gm.graph)]
 
-    def _chunk_if_faster(self, position: int, outside: int, compile_for: Callable[[int], _Variant],
-                         device: str) -> None:
-        """chunk_loss="auto" where the plan with the head whole fits by recomputing: plan the
-        chunked head too, and keep it if its recomputation plus what chunking itself costs is
-        estimated less. Chunked, the logits are never held whole, so the rest of the step has
-        more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4 partition with the head whole ran
-        1.11x the step, the chunked head with the 0.8 partition 1.05x;
-        benchmarks/results/pareto_small_s12.md).
-        Costs one more compile, only where the whole head's plan recomputes more than chunking costs."""
-        whole = self._first
-        plan = whole.plan if whole is not None else None
-        if plan is None or self.loss_heads or plan.added_time_s <= 0:
+    def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
+                        whole_error: InfeasibleBudgetError | None) -> _Variant:
+        """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
+        (None: its least peak not searched yet): apply the pending rewrites one at a time (the
+        loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
+        is searched for its least peak at first; where even that fails, the graphs before it are
+        searched (from the most rewritten: a least-peak plan of one may fit), and the error names
+        the smallest of their smallest budgets. Deferring the searches saved 25 of a 63 s first
+        call on Llama small at 9.91 MiB (benchmarks/compile_profile.py)."""
+        deferred = whole_error is None
+        errors = [] if deferred else [whole_error]
+        unsearched = [self._head_state()] if deferred else []
+        pending = self._pending_rewrites()
+        for i, rewrite in enumerate(pending):
+            self._apply(rewrite)
+            self.reasons[rewrite.attr] = f"no {'solver ' if deferred else ''}plan fits without it"
+            log.info("memcompile: %s; chunking %s: %s", self.reasons[rewrite.attr], rewrite.what,
+                     "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
+            search = not deferred or i == len(pending) - 1
+            try:
+                return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
+            except NoSolverPlanFits:
+                unsearched.append(self._head_state())
+            except InfeasibleBudgetError as error:
+                errors.append(error)
+        for state in reversed(unsearched):
+            self._restore_head_state(state)
+            try:
+                return self._plan_for_position(position, outside, compile_for)
+            except InfeasibleBudgetError as error:
+                errors.append(error)
+        raise min(errors, key=lambda e: e.min_feasible_bytes)
+
+    def _rewrite_if_faster(self, rewrite: "_Rewrite", position: int, outside: int,
+                           compile_for: Callable[..., _Variant], device: str) -> None:
+        """An "auto" rewrite where the plan without it fits by recomputing: plan the rewritten graph
+        too, and keep it if its recomputation plus what the rewrite itself costs is estimated less.
+        A chunked loss head never holds the logits whole, chunked MLPs never their intermediate
+        activations, so the rest of the step has more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4
+        partition with the head whole ran 1.11x the step, the chunked head with the 0.8 partition
+        1.05x; benchmarks/results/pareto_small_s12.md). Costs one more compile, only where the
+        plan recomputes more than the rewrite costs."""
+        current = self._first
+        plan = current.plan if current is not None else None
+        if plan is None or plan.added_time_s <= 0:
             return
-        heads = find_loss_heads(self.gm.graph)
-        chunking_s = sum(h.added_time_s(profile_for(device)) for h in heads)
-        if not heads or plan.added_time_s <= chunking_s:
+        found = rewrite.find(self.gm.graph)
+        rewrite_s = sum(x.added_time_s(profile_for(device)) for x in found)
+        if not found or plan.added_time_s <= rewrite_s:
             return
         saved = self._head_state()
-        self._chunk_loss_heads()
-        self.chunk_reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms with the head whole, "
-                             f"chunking ~{chunking_s * 1e3:.2f} ms plus this plan's recomputation")
+        self._apply(rewrite)
+        self.reasons[rewrite.attr] = (
+            f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
+            f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
         try:
-            chunked = self._plan_for_position(position, outside, compile_for)
+            rewritten = self._plan_for_position(position, outside, compile_for)
         except InfeasibleBudgetError:
-            chunked = None
-        if chunked is not None and chunked.plan is not None and chunked.plan.added_time_s + chunking_s < plan.added_time_s:
-            log.info("memcompile: chunking the loss head (%s): %s", self.chunk_reason,
-                     "; ".join(h.describe() for h in self.loss_heads))
-            self._first = chunked
+            rewritten = None
+        if rewritten is not None and rewritten.plan is not None \
+                and rewritten.plan.added_time_s + rewrite_s < plan.added_time_s:
+            log.info("memcompile: chunking %s (%s): %s", rewrite.what, self.reasons[rewrite.attr],
+                     "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
+            self._first = rewritten
             self._forget_plan(plan)
             return
         self._restore_head_state(saved)
-        if chunked is not None and chunked.plan is not None:
-            self._forget_plan(chunked.plan)
+        if rewritten is not None and rewritten.plan is not None:
+            self._forget_plan(rewritten.plan)
 
     def _head_state(self) -> tuple:
-        """What chunking the loss heads changes, to go back to the head whole."""
-        return self.gm, self.loss_heads, self.pristine_graph, self.replanner, dict(self.variants), self.chunk_reason
+        """What rewriting the graph changes, to go back to it as it was."""
+        return (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, dict(self.variants),
+                dict(self.reasons))
 
     def _restore_head_state(self, state: tuple) -> None:
-        self.gm, self.loss_heads, self.pristine_graph, self.replanner, self.variants, self.chunk_reason = state
+        (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, self.variants,
+         self.reasons) = state
 
     def _forget_plan(self, plan: Plan) -> None:
         """Drop the plan of a compile this region does not use from the backend's list."""
         self.backend.plans[:] = [p for p in self.backend.plans if p is not plan]
 
-    def _chunk_loss_heads(self) -> bool:
-        """Chunk this region's loss heads (passes/loss_head.py) for every later compile; False
-        if it has none."""
-        gm, heads = chunk_loss_heads(fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph)))
-        if not heads:
+    def _apply(self, rewrite: "_Rewrite") -> bool:
+        """Apply a rewrite (passes/loss_head.py, passes/mlp_chunk.py) for every later compile;
+        False if it finds nothing to rewrite."""
+        gm, found = rewrite.apply(fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph)))
+        if not found:
             return False
-        self.gm, self.loss_heads = gm, heads
+        self.gm = gm
+        setattr(self, rewrite.attr, found)
         self.pristine_graph = copy.deepcopy(gm.graph)
         return True
+
+    def _graph_rewrites(self) -> tuple[str, ...]:
+        """What this region changed in its graph, and why, for the plan."""
+        described = []
+        for rewrite in _REWRITES:
+            reason = self.reasons.get(rewrite.attr, "")
+            described += [x.describe() + (f" ({reason})" if reason else "") for x in getattr(self, rewrite.attr)]
+        return tuple(described)
 
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  request: PlanRequest) -> _Variant:
@@ -305,8 +332,7 @@ class _Region:
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it.
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
-        reason = f" ({self.chunk_reason})" if self.chunk_reason else ""
-        record = _CompileRecord(request=request, graph_rewrites=tuple(h.describe() + reason for h in self.loss_heads))
+        record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites())
         token = _RECORD.set(record)
         try:
             with planning_sizes(self.sizes):
@@ -438,6 +464,25 @@ class _Region:
         _on_backward(out, ledger.backward_ran)
         return out
 
+
+@dataclasses.dataclass(frozen=True)
+class _Rewrite:
+    """A graph rewrite a region may apply before compiling, under an option True / False / "auto"."""
+
+    what: str  # for messages
+    option: str  # the Options field
+    attr: str  # the _Region attribute holding what it rewrote (each with describe() and added_time_s())
+    find: Callable[[fx.Graph], tuple]
+    apply: Callable[[fx.GraphModule], tuple[fx.GraphModule, tuple]]
+    # Also tried where a plan fits without it, if estimated faster. Not for MLPs: their chunked
+    # backward recomputes the up / gate projections, measured 1.25 ms a layer on Llama small
+    # (benchmarks/mlp_chunk_cost.py) where estimated 0.6: applied only where no plan fits without it.
+    when_faster: bool = True
+
+
+# In the order "auto" tries them where no plan fits: the loss head first (cheap to chunk).
+_REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", find_loss_heads, chunk_loss_heads),
+             _Rewrite("the MLPs", "chunk_mlp", "mlps", find_mlps, chunk_mlps, when_faster=False))
 
 # Options between a region's keep-all and least-peak plans offered to the step plan.
 _OPTIONS_BETWEEN = 3

@@ -75,6 +75,8 @@ class Options:
     # Chunk linear -> cross_entropy loss heads by token rows (passes/loss_head.py): "auto" when no
     # plan fits without it or it is estimated faster (memcompile/backend.py), True always, False never.
     chunk_loss: bool | str = "auto"
+    # Chunk transformer MLPs by token rows (passes/mlp_chunk.py): the same choices as chunk_loss.
+    chunk_mlp: bool | str = "auto"
 
     @property
     def step_budget_bytes(self) -> int:
@@ -94,7 +96,7 @@ class Options:
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
     known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps",
-             "chunk_loss"}
+             "chunk_loss", "chunk_mlp"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
@@ -130,9 +132,14 @@ def make_options(limit: object, **overrides: object) -> Options:
     if not (isinstance(chunk_loss, bool) or chunk_loss == "auto"):
         raise ValueError(f"chunk_loss={chunk_loss!r}: expected 'auto' (the default: chunk a linear -> cross_entropy "
                          "loss head when no plan fits without it or chunking is estimated faster), True (always) or False (never)")
+    chunk_mlp = overrides.pop("chunk_mlp", "auto")
+    if not (isinstance(chunk_mlp, bool) or chunk_mlp == "auto"):
+        raise ValueError(f"chunk_mlp={chunk_mlp!r}: expected 'auto' (the default: compute linear -> activation -> "
+                         "linear MLPs in token chunks when no plan fits without it or chunking is estimated faster), "
+                         "True (always) or False (never)")
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
                    None if offload == "auto" else offload, None if link is None else float(link),
-                   chunk_loss=chunk_loss)
+                   chunk_loss=chunk_loss, chunk_mlp=chunk_mlp)
 
 
 QUANTIZE_FORMATS = ("int8", "fp8", "bf16")

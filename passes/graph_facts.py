@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile import loss_ops
+from memcompile import loss_ops, mlp_ops
 from memcompile.sizes import size_value
 
 
@@ -325,9 +325,10 @@ def kernel_workspace_bytes(node: fx.Node, inductor: bool = False) -> int:
     the graph runs as Inductor's code, which lays CPU convolutions out channels-last."""
     if node.op != "call_function":
         return 0
-    if node.target is loss_ops.FORWARD:
+    if node.target in (loss_ops.FORWARD, mlp_ops.FORWARD, mlp_ops.BACKWARD):
         args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
-        return loss_ops.workspace_bytes(node.target, args)
+        ops = loss_ops if node.target is loss_ops.FORWARD else mlp_ops
+        return ops.workspace_bytes(node.target, args)
     name = str(getattr(node.target, "__name__", node.target))
     if "scaled_dot_product" in name:
         known = _attention_workspace(node, name)

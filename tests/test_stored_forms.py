@@ -424,11 +424,12 @@ def test_offload_plans_every_architecture_exactly(arch, size, batch, dtype):
     model, x = build(arch, size, 2, batch, dtype)
     module = WithLoss(model)
     params = list(model.parameters())
-    reference = run_step(module, x, params, 10**12, offload=True).grads
-    low, high = budget_range(module, x, offload=True)
+    # MLPs as written: chunked ones are exact only up to float reassociation (test_mlp_chunk.py)
+    reference = run_step(module, x, params, 10**12, offload=True, chunk_mlp=False).grads
+    low, high = budget_range(module, x, offload=True, chunk_mlp=False)
     offloaded = 0
     for budget in (low, (low + high) // 2):
-        step = run_step(module, x, params, budget, offload=True)
+        step = run_step(module, x, params, budget, offload=True, chunk_mlp=False)
         assert not step.plan.solver_status.startswith("stock_fallback"), step.plan.solver_status
         assert step.plan.predicted_peak_bytes <= budget
         offloaded += step.plan.choices().get("offload", 0)

@@ -1,0 +1,186 @@
+"""Chunking transformer MLPs by token rows (passes/mlp_chunk.py): which MLPs match, the same
+loss and gradients as the MLPs whole, a lower smallest budget, and the backend applies it only
+where no plan fits without it (chunk_mlp="auto")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from budget_helpers import budget_range, compile_under, grads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memcompile
+from memcompile.passes.mlp_chunk import chunk_mlps, find_mlps
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+                "relu": F.relu}
+
+
+class Block(nn.Module):
+    """Layer norm, then a plain or gated MLP, with a residual (a transformer block's second half)."""
+
+    def __init__(self, hidden: int, inner: int, activation: str, gated: bool, bias: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, inner, bias=bias)
+        self.gate = nn.Linear(hidden, inner, bias=bias) if gated else None
+        self.down = nn.Linear(inner, hidden, bias=bias)
+        self.act = _ACTIVATIONS[activation]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        inner = self.act(self.gate(x)) * self.up(x) if self.gate is not None else self.act(self.up(x))
+        return h + self.down(inner)
+
+
+class MlpStack(nn.Module):
+    def __init__(self, hidden: int = 32, inner: int = 256, depth: int = 2, activation: str = "gelu",
+                 gated: bool = False, bias: bool = True) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, inner, activation, gated, bias) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def _captured(module: nn.Module, *inputs: torch.Tensor) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=capture)(*inputs)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(activation=st.sampled_from(sorted(_ACTIVATIONS)), gated=st.booleans(), bias=st.booleans(),
+       batch=st.integers(2, 3), seq=st.integers(40, 90), hidden=st.sampled_from([8, 16, 24]),
+       inner=st.integers(20, 100), depth=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_chunked_mlps_give_the_same_loss_and_gradients(activation, gated, bias, batch, seq, hidden, inner, depth,
+                                                       seed) -> None:
+    torch.manual_seed(seed)
+    model = MlpStack(hidden, inner, depth, activation, gated, bias)
+    x = torch.randn(batch, seq, hidden)
+    gm = _captured(model, x)
+    chunked, blocks = chunk_mlps(gm)
+    assert len(blocks) == depth and all(b.gated == gated and b.activation == activation for b in blocks)
+    assert all(b.tokens == batch * seq and b.chunks >= 2 for b in blocks)
+    assert not find_mlps(chunked.graph)  # every MLP became one op
+    targets = [str(n.target) for n in chunked.graph.nodes]
+    assert sum("chunked_mlp" in t for t in targets) == depth
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g)[0].forward)
+    got = grads(params, lambda: compiled(x))
+    torch._dynamo.reset()
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
+def test_mlps_the_rewrite_must_not_touch_are_left_alone() -> None:
+    x = torch.randn(2, 64, 16)
+    up, down, other = nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 64)
+
+    def intermediate_used_twice(x):
+        a = F.gelu(up(x))
+        return down(a).sum() + a.sum()
+
+    def no_activation(x):
+        return down(up(x)).sum()
+
+    def unknown_activation(x):
+        return down(torch.tanh(up(x))).sum()
+
+    def gate_of_another_input(x):
+        return down(F.silu(up(x)) * other(x * 2)).sum()
+
+    def too_few_tokens(x):
+        return down(F.gelu(up(x[:, :20]))).sum()
+
+    for fn in (intermediate_used_twice, no_activation, unknown_activation, gate_of_another_input, too_few_tokens):
+        gm = _captured(fn, x)
+        assert find_mlps(gm.graph) == (), fn.__name__
+        assert chunk_mlps(gm)[0] is gm
+
+    def plain(x):
+        return down(F.gelu(up(x))).sum()
+
+    assert len(find_mlps(_captured(plain, x).graph)) == 1  # the same layers, unmodified, match
+
+
+def test_auto_chunks_the_mlps_where_no_plan_fits_without_them() -> None:
+    torch.manual_seed(0)
+    model = MlpStack(hidden=32, inner=512, depth=2, activation="silu", gated=True, bias=False)
+    x = torch.randn(4, 64, 32)
+    whole_floor, keep_all = budget_range(model, x, chunk_mlp=False)
+    chunked_floor, _ = budget_range(model, x, chunk_mlp=True)
+    auto_floor, _ = budget_range(model, x)
+    # (tokens x intermediate) buffers are no longer held whole in the backward
+    assert chunked_floor < whole_floor - 256 * 512 * 4
+    assert auto_floor == chunked_floor  # the error names the smallest budget that works
+
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    budget = (chunked_floor + whole_floor) // 2
+    backend, compiled = compile_under(model, budget)
+    got = grads(params, lambda: compiled(x))
+    (plan,) = backend.plans
+    assert plan.predicted_peak_bytes <= plan.step_budget_bytes
+    assert len(plan.graph_rewrites) == 2 and all("chunked into" in r for r in plan.graph_rewrites)
+    assert "no solver plan fits without it" in plan.graph_rewrites[0]
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    for p in params:
+        p.grad = None
+    measured = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x])
+    assert measured.peak_bytes <= budget
+    torch.compiler.reset()
+    _, refused = compile_under(model, budget, chunk_mlp=False)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+        refused(x)
+    assert info.value.min_feasible_bytes == whole_floor
+
+    # budgets a plan meets without chunking (even one that recomputes): the graph as written
+    for fits in (keep_all, whole_floor + (keep_all - whole_floor) // 3):
+        torch.compiler.reset()
+        backend, compiled = compile_under(model, fits)
+        compiled(x).backward()
+        assert all(not p.graph_rewrites for p in backend.plans)
+    torch.compiler.reset()
+
+
+def test_inductor_meets_a_budget_only_the_chunked_mlps_fit() -> None:
+    torch.manual_seed(1)
+    model = MlpStack(hidden=32, inner=256, depth=2, activation="gelu", gated=False, bias=True)
+    x = torch.randn(4, 64, 32)
+    whole_floor, _ = budget_range(model, x, chunk_mlp=False, codegen="inductor")
+    chunked_floor, _ = budget_range(model, x, chunk_mlp=True, codegen="inductor")
+    assert chunked_floor < whole_floor
+    budget = (chunked_floor + whole_floor) // 2
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    backend, compiled = compile_under(model, budget, codegen="inductor")
+    got = grads(params, lambda: compiled(x))
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+    for p in params:
+        p.grad = None
+    measured = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x])
+    assert backend.plans[-1].graph_rewrites
+    assert measured.peak_bytes <= budget
+    torch.compiler.reset()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "always"])
+def test_chunk_mlp_option_is_validated(value) -> None:
+    with pytest.raises(ValueError, match="chunk_mlp="):
+        memcompile.budget("1GB", chunk_mlp=value)
