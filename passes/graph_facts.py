@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -671,3 +672,17 @@ def _flat_args(node: fx.Node) -> list:
         else:
             flat.append(a)
     return flat
+
+
+def rewritten_copy(gm: fx.GraphModule, matches: tuple, rewrite) -> fx.GraphModule:
+    """A copy of `gm` with `rewrite(graph, match, nodes by name)` applied to each match (found by
+    node name in `gm`): the shared step of the Dynamo-graph rewrites (passes/loss_head.py,
+    passes/mlp_chunk.py)."""
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    by_name = {n.name: n for n in out.graph.nodes}
+    for match in matches:
+        rewrite(out.graph, match, by_name)
+    out.graph.lint()
+    out.recompile()
+    return out
+

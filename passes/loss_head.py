@@ -19,7 +19,6 @@ smoothing): cross_entropy(view(-1, V)([float](linear(h, W, b))), target).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import operator
@@ -32,6 +31,7 @@ from torch import fx
 from memcompile import loss_ops
 from memcompile._torch_private import linear_ops
 from memcompile.cost_models.device import DeviceProfile
+from memcompile.passes.graph_facts import rewritten_copy
 
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
@@ -181,13 +181,7 @@ def chunk_loss_heads(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[LossHead
     heads = find_loss_heads(gm.graph)
     if not heads:
         return gm, ()
-    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    by_name = {n.name: n for n in out.graph.nodes}
-    for head in heads:
-        _rewrite(out.graph, head, by_name)
-    out.graph.lint()
-    out.recompile()
-    return out, heads
+    return rewritten_copy(gm, heads, _rewrite), heads
 
 
 def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> None:

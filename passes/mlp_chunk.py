@@ -19,7 +19,6 @@ with act one of F.gelu (exact or tanh), F.silu, F.relu / torch.relu.
 
 from __future__ import annotations
 
-import copy
 import math
 import operator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from torch import fx
 from memcompile import mlp_ops
 from memcompile._torch_private import linear_ops
 from memcompile.cost_models.device import DeviceProfile
+from memcompile.passes.graph_facts import rewritten_copy
 
 # A chunk's (rows x intermediate) buffers no larger than half the MLP's input (tokens x hidden):
 # the backward's four chunk buffers then hold about what two hidden states hold.
@@ -196,13 +196,7 @@ def chunk_mlps(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[MlpBlock, ...]
     blocks = find_mlps(gm.graph)
     if not blocks:
         return gm, ()
-    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    by_name = {n.name: n for n in out.graph.nodes}
-    for block in blocks:
-        _rewrite(out.graph, block, by_name)
-    out.graph.lint()
-    out.recompile()
-    return out, blocks
+    return rewritten_copy(gm, blocks, _rewrite), blocks
 
 
 def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> None:
