@@ -94,9 +94,16 @@ def _(x, w_up, b_up, w_gate, b_gate, w_down, b_down, activation, rows):
     return x.new_empty((x.shape[0], w_down.shape[0]))
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision gradients (as one unchunked matmul accumulates), else their own
+    (float64 stays float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _empty_like_or_none(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     # a custom op cannot return None: an empty tensor stands for an absent parameter's gradient
-    return torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t is not None else like.new_empty(0)
+    return (torch.zeros(t.shape, dtype=_accumulation_dtype(like.dtype), device=t.device) if t is not None
+            else like.new_empty(0))
 
 
 @torch.library.custom_op("memcompile::chunked_mlp_backward", mutates_args=())
@@ -118,7 +125,7 @@ def _backward_chunks(grad_y, x, w_up, b_up, w_gate, b_gate, w_down, b_down, acti
     grad_w_up, grad_b_up = _empty_like_or_none(w_up, x), _empty_like_or_none(b_up, x)
     grad_w_gate, grad_b_gate = _empty_like_or_none(w_gate, x), _empty_like_or_none(b_gate, x)
     grad_w_down, grad_b_down = _empty_like_or_none(w_down, x), _empty_like_or_none(b_down, x)
-    float32 = x.dtype == torch.float32
+    float32 = _accumulation_dtype(x.dtype) == x.dtype  # float32 or float64: accumulated in place
     gated = w_gate is not None
     for x_chunk, grad_y_chunk, grad_x_chunk in zip(x.split(rows), grad_y.split(rows), grad_x.split(rows)):
         up = _project(x_chunk, w_up, b_up)
@@ -127,7 +134,7 @@ def _backward_chunks(grad_y, x, w_up, b_up, w_gate, b_gate, w_down, b_down, acti
         inner = act * up if gated else act
         _accumulate(grad_w_down, grad_y_chunk.t(), inner, float32)
         if b_down is not None:
-            grad_b_down += grad_y_chunk.sum(0, dtype=torch.float32)
+            grad_b_down += grad_y_chunk.sum(0, dtype=grad_b_down.dtype)
         del inner
         grad_inner = grad_y_chunk @ w_down
         if gated:
@@ -142,11 +149,11 @@ def _backward_chunks(grad_y, x, w_up, b_up, w_gate, b_gate, w_down, b_down, acti
             del grad_inner
         _accumulate(grad_w_up, grad_up.t(), x_chunk, float32)
         if b_up is not None:
-            grad_b_up += grad_up.sum(0, dtype=torch.float32)
+            grad_b_up += grad_up.sum(0, dtype=grad_b_up.dtype)
         if gated:
             _accumulate(grad_w_gate, grad_pre.t(), x_chunk, float32)
             if b_gate is not None:
-                grad_b_gate += grad_pre.sum(0, dtype=torch.float32)
+                grad_b_gate += grad_pre.sum(0, dtype=grad_b_gate.dtype)
         if float32:
             torch.mm(grad_up, w_up, out=grad_x_chunk)
             if gated:
@@ -244,7 +251,7 @@ def workspace_bytes(op: object, args: tuple) -> int:
     if op is FORWARD:
         return (2 if gated else 1) * chunk * inner * size + onednn + 512
     buffers = (4 if gated else 3) * chunk * inner * size
-    low_precision = x.dtype != torch.float32
+    low_precision = x.dtype in (torch.float16, torch.bfloat16)
     # float32 accumulators (the weight gradients' sizes) and, for a low precision product, its
     # float copy; the bias gradients' float32 sums per chunk
     accumulators = 4 * (inner * hidden * (2 if gated else 1) + out * inner) if low_precision else 0

@@ -348,3 +348,24 @@ def test_compiled_grads_equal_eager_and_the_ops_are_two_opaque_nodes(gated, bias
     torch.testing.assert_close(recorded_loss, eager_loss, rtol=1e-6, atol=0)
     for got, want in zip(recorded, eager):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_float64_gradients_are_accumulated_in_float64(gated: bool) -> None:
+    # Found by test_backend_properties in CI: float32 accumulators made float64 gradients float32-exact only.
+    torch.manual_seed(0)
+
+    def make(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+    x, w_up, b_up, w_down, b_down = make(50, 8), make(20, 8), make(20), make(8, 20), make(8)
+    w_gate = make(20, 8) if gated else None
+    inputs = [t for t in (x, w_up, b_up, w_gate, w_down, b_down) if t is not None]
+    up = F.linear(x, w_up, b_up)
+    want_y = F.linear(F.gelu(F.linear(x, w_gate)) * up if gated else F.gelu(up), w_down, b_down)
+    grad = torch.randn_like(want_y)
+    want = torch.autograd.grad(want_y, inputs, grad)
+    got = torch.autograd.grad(mlp_ops.chunked_mlp(x, w_up, b_up, w_gate, None, w_down, b_down, "gelu", 16), inputs, grad)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
