@@ -686,3 +686,16 @@ def rewritten_copy(gm: fx.GraphModule, matches: tuple, rewrite) -> fx.GraphModul
     out.recompile()
     return out
 
+
+def node_adder(graph: fx.Graph, like: fx.Node):
+    """add(op, target, args): a node in `graph` carrying `like`'s metadata but its values (the
+    rewrite's new nodes are traced again by AOTAutograd)."""
+    meta = {k: v for k, v in like.meta.items() if k not in ("example_value", "val", "tensor_meta")}
+
+    def add(op: str, target, args: tuple) -> fx.Node:
+        node = graph.create_node(op, target, args, {})
+        node.meta.update(meta)
+        return node
+
+    return add
+

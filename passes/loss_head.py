@@ -31,7 +31,7 @@ from torch import fx
 from memcompile import loss_ops
 from memcompile._torch_private import linear_ops
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import rewritten_copy
+from memcompile.passes.graph_facts import node_adder, rewritten_copy
 
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
@@ -191,12 +191,7 @@ def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> No
     bias = linear.args[2] if len(linear.args) > 2 else None
     target = by_name[head.target]
     rows = math.ceil(head.tokens / head.chunks)
-    meta = {k: v for k, v in ce.meta.items() if k not in ("example_value", "val", "tensor_meta")}
-
-    def add(op: str, target_fn, args: tuple) -> fx.Node:
-        node = graph.create_node(op, target_fn, args, {})
-        node.meta.update(meta)
-        return node
+    add = node_adder(graph, ce)
 
     with graph.inserting_before(ce):
         if head.cast_to is not None:

@@ -30,7 +30,7 @@ from torch import fx
 from memcompile import mlp_ops
 from memcompile._torch_private import linear_ops
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import rewritten_copy
+from memcompile.passes.graph_facts import node_adder, rewritten_copy
 
 # A chunk's (rows x intermediate) buffers no larger than half the MLP's input (tokens x hidden):
 # the backward's four chunk buffers then hold about what two hidden states hold.
@@ -207,12 +207,7 @@ def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> N
     _, w_down, b_down = _linear(down)
     lead = _static_shape(down)[:-1]
     rows = math.ceil(block.tokens / block.chunks)
-    meta = {k: v for k, v in down.meta.items() if k not in ("example_value", "val", "tensor_meta")}
-
-    def add(op: str, target, args: tuple) -> fx.Node:
-        node = graph.create_node(op, target, args, {})
-        node.meta.update(meta)
-        return node
+    add = node_adder(graph, down)
 
     with graph.inserting_before(down):
         tensors = [x, w_up, b_up, w_gate, b_gate, w_down, b_down]
