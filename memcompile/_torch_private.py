@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -112,7 +113,7 @@ def extract_forward_backward(
 # fused with layer 1's (they read the same saved RoPE cos/sin and masks) and so computed at the
 # top of the backward, held across layer 1's. Inductor refuses such fusions only for nodes more
 # than 64 apart (Scheduler.are_long_distant_nodes); for marked nodes we refuse them beyond
-# RECOMPUTE_FUSION_DISTANCE, and vertical fusions too (limit_recompute_fusion). Llama small's
+# RECOMPUTE_FUSION_DISTANCE, and vertical fusions too (install_fusion_rules). Llama small's
 # smallest budget: 10.26 MiB with Inductor's rule alone (the distance set to 10**9), 9.26 MiB
 # with the limit (benchmarks/pareto.py probe child).
 RECOMPUTED = "memcompile_recomputed"
@@ -142,10 +143,79 @@ def _has_recomputed_origin(snode) -> bool:
     return False
 
 
-def limit_recompute_fusion() -> None:
-    """Refuse fusions of a marked node with one far from it (in Inductor's node order), in every
-    Inductor compile of this process: graphs with no marked node (not ours) fuse as before.
-    Idempotent.
+# Graphs memcompile planned (the partitioner's forward and backward, and the check's copies of
+# them), marked in GraphModule.meta: the lifetime rule below applies to these only, so a graph
+# compiled without memcompile in the same process fuses as stock Inductor does.
+PLANNED_GRAPH = "memcompile_planned"
+
+# A horizontal fusion runs both nodes as one kernel at the earlier one's place, so the later
+# node's results are allocated there. Where a result of the earlier node dies before the later
+# node would run, the fusion makes the two coexist where unfused the later one could take the
+# dead one's memory: Inductor fused the SwiGLU backward's recomputed product silu(g) * u (read by
+# the down projection's weight-gradient matmul, then dead) with the up projection's gradient
+# dh * silu(g) (they share the read of g), so five 688 KiB buffers were live at that matmul on
+# Llama small where four suffice; at 9.91 MiB every plan then recomputed attention and the gate and
+# up projections to make room. Inductor's own guard (Scheduler.can_fusion_increase_peak_memory)
+# weighs only inputs read once, against 32x the bytes the fusion saves reading. Buffers smaller
+# than this are left to Inductor: they do not move a peak, and the fusion saves a launch.
+LIFETIME_FUSION_MIN_BYTES = 64 * 1024
+LIFETIME_FUSION = os.environ.get("MEMCOMPILE_LIFETIME_FUSION", "1") != "0"  # 0: off, for comparisons
+
+
+def mark_planned(*graphs: fx.GraphModule) -> None:
+    """Mark graphs as planned by memcompile (see PLANNED_GRAPH)."""
+    for gm in graphs:
+        gm.meta[PLANNED_GRAPH] = True
+
+
+def _stored_bytes(buf) -> int:
+    from torch._inductor.virtualized import V
+
+    try:
+        return int(V.graph.sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node))) \
+            * buf.node.get_dtype().itemsize
+    except Exception:  # no storage of its own (a view, a tuple, a mutation): nothing to allocate
+        return 0
+
+
+def _fusion_extends_a_lifetime(scheduler, node1, node2) -> bool:
+    """Whether fusing two nodes with no dependency between them keeps a large result of the
+    earlier one alive while the later one's large results are allocated, where unfused the
+    earlier one's readers (outside the pair) all run before the later node."""
+    from torch._inductor.virtualized import V
+
+    early, late = sorted((node1, node2), key=lambda n: n.min_order)
+    pair = {n.get_name() for n in early.get_nodes()} | {n.get_name() for n in late.get_nodes()}
+
+    def readers_outside(buf) -> list:
+        return [u.node for u in buf.users if not u.is_weak and u.node.get_name() not in pair]
+
+    if not any(_stored_bytes(b) >= LIFETIME_FUSION_MIN_BYTES and readers_outside(b) for b in late.get_outputs()):
+        return False  # the later node allocates nothing large that outlives the kernel
+    graph_outputs = set(V.graph.get_output_names())
+    for buf in early.get_outputs():
+        readers = readers_outside(buf)
+        if not readers or buf.get_name() in graph_outputs or _stored_bytes(buf) < LIFETIME_FUSION_MIN_BYTES:
+            continue
+        if any(not hasattr(r, "min_order") for r in readers):
+            continue  # read by the graph's output node: never dies
+        if max(scheduler.get_fused_node(r).min_order for r in readers) < late.min_order:
+            return True
+    return False
+
+
+def _planned_graph_now() -> bool:
+    from torch._inductor.virtualized import V
+
+    module = getattr(V.graph, "module", None)
+    return bool(getattr(module, "meta", {}).get(PLANNED_GRAPH))
+
+
+def install_fusion_rules() -> None:
+    """Install memcompile's fusion rules in every Inductor compile of this process (idempotent):
+    refuse fusions of a recomputed node with one far from it (in Inductor's node order), and, in
+    graphs memcompile planned (PLANNED_GRAPH), horizontal fusions that keep a large dead buffer's
+    memory from the later node (_fusion_extends_a_lifetime). Other graphs fuse as before.
 
     Horizontal (two readers of the same buffers): the span of the pair beyond
     RECOMPUTE_FUSION_DISTANCE, as Inductor measures its own 64-node limit. Vertical (producer into
@@ -169,6 +239,8 @@ def limit_recompute_fusion() -> None:
     def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
         span = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
         if far_and_recomputed(node1, node2, span, RECOMPUTE_FUSION_DISTANCE):
+            return False
+        if LIFETIME_FUSION and _planned_graph_now() and _fusion_extends_a_lifetime(scheduler, node1, node2):
             return False
         return original(scheduler, node1, node2, shared_data_score)
 
@@ -228,7 +300,7 @@ def compile_with_inductor(
     gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn
 ) -> Callable:
     """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in."""
-    limit_recompute_fusion()
+    install_fusion_rules()
     with caches_disabled():
         return _compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
 
@@ -416,6 +488,8 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
 
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example)
+    install_fusion_rules()  # the fusion rules of memcompile's own compiles, installed once
+    mark_planned(gm)  # and applying to this graph
     graph = GraphLowering(gm, example_inputs=example, is_backward=is_backward)
     if is_backward:
         # AOTAutograd donates saved tensors to the backward (bw_donated_idxs), which may write

@@ -103,7 +103,7 @@ def test_pareto_pairs_a_pytorch_peak_with_the_floor_run_when_its_group_fell_belo
 def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
     """Llama's layers read the same saved RoPE cos/sin: Inductor fused layer 0's recomputed keys
     with layer 1's and ran them at the top of the backward. With recomputations kept where the
-    rewrite puts them (_torch_private.limit_recompute_fusion) the smallest budget is lower, and a
+    rewrite puts them (_torch_private.install_fusion_rules) the smallest budget is lower, and a
     plan at it is measured within it."""
     from memcompile import _torch_private as tp
 

@@ -244,7 +244,7 @@ def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(rows, wi
     graph = make_fx(_reduction_read_early_and_by_a_late_recomputation, tracing_mode="fake")(*args)
     late = next(n for n in graph.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
     late.meta[tp.RECOMPUTED] = True
-    tp.limit_recompute_fusion()
+    tp.install_fusion_rules()
 
     def schedule_and_peak():
         schedule = tp.inductor_schedule(graph, is_backward=False)
@@ -258,3 +258,68 @@ def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(rows, wi
     fused_in, _, fused_peak = schedule_and_peak()
     assert fused_in == 0
     assert fused_peak > peak, (fused_peak, peak)  # the late buffer held across the temporaries
+
+
+def _product_and_its_gradient(s, u, dh, dout, x):
+    """The tail of a SwiGLU backward with silu(gate) saved (s): the product h = s * u is read only
+    by the down projection's weight gradient; the up projection's gradient dh * s reads s too, so
+    Inductor fuses the two pointwise nodes (a horizontal fusion) and runs both at the first."""
+    h = s * u
+    down_weight_grad = dout.permute(1, 0) @ h  # h's last reader
+    up_grad = dh * s
+    return (down_weight_grad, up_grad.permute(1, 0) @ x)
+
+
+@pytest.mark.parametrize("rows,width", [(512, 344), (256, 128)])
+def test_a_fusion_that_would_keep_a_dead_buffer_live_is_refused_in_planned_graphs(rows, width, monkeypatch):
+    """Fused, the up gradient is allocated while the product is live (Llama small's SwiGLU
+    backward: five 688 KiB buffers at the weight-gradient matmul where four suffice); refused,
+    it runs after the matmul and takes the product's freed memory: the check's peak is one
+    buffer lower. With the rule off the two share a kernel again (the test can fail)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    wide = rows * width * 4
+    args = (torch.randn(rows, width), torch.randn(rows, width), torch.randn(rows, width),
+            torch.randn(rows, 64), torch.randn(rows, 64))
+    graph = make_fx(_product_and_its_gradient, tracing_mode="fake")(*args)
+
+    def kernels_of_wide_buffers_and_peak():
+        schedule = tp.inductor_schedule(graph, is_backward=False)
+        made_in = sorted(k.index for k in schedule.kernels for b in k.allocates if b.nbytes == wide)
+        return made_in, liveness.analyze_scheduled_liveness(graph, None, 1, schedule, None).peak_bytes
+
+    made_in, peak = kernels_of_wide_buffers_and_peak()
+    monkeypatch.setattr(tp, "LIFETIME_FUSION", False)
+    fused_in, fused_peak = kernels_of_wide_buffers_and_peak()
+    assert len(fused_in) == 2 and fused_in[0] == fused_in[1], fused_in  # one kernel allocates both
+    assert len(made_in) == 2 and made_in[0] < made_in[1], made_in  # two kernels apart
+    # refused, the peak is at the second matmul (its result beside the first's), not at the first
+    assert fused_peak - peak == wide - width * 64 * 4, (fused_peak, peak)
+
+
+def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
+    """The rule is installed process-wide (Inductor's choices hook) but reads the planned-graph
+    mark: a plain torch.compile of the same function generates the same kernels with it as
+    without it."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached kernel skips the scheduler
+
+    args = (torch.randn(256, 128), torch.randn(256, 128), torch.randn(256, 128),
+            torch.randn(256, 64), torch.randn(256, 64))
+    tp.install_fusion_rules()
+
+    def kernels_generated() -> int:
+        torch.compiler.reset()
+        metrics.reset()
+        torch.compile(_product_and_its_gradient, fullgraph=True)(*args)
+        return metrics.generated_kernel_count
+
+    with_rule = kernels_generated()
+    monkeypatch.setattr(tp, "LIFETIME_FUSION", False)
+    assert kernels_generated() == with_rule
+    monkeypatch.setattr(tp, "LIFETIME_FUSION", True)
+    monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
+    assert kernels_generated() == with_rule + 1  # the product and the up gradient apart
+    torch.compiler.reset()
