@@ -304,7 +304,6 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
     import torch._inductor.config as inductor_config
     from torch._inductor import metrics
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached kernel skips the scheduler
 
     args = (torch.randn(256, 128), torch.randn(256, 128), torch.randn(256, 128),
             torch.randn(256, 64), torch.randn(256, 64))
@@ -313,7 +312,9 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
     def kernels_generated() -> int:
         torch.compiler.reset()
         metrics.reset()
-        torch.compile(_product_and_its_gradient, fullgraph=True)(*args)
+        # a cached kernel skips the scheduler (config.patch: monkeypatch's undo deletes the entry)
+        with inductor_config.patch(fx_graph_cache=False):
+            torch.compile(_product_and_its_gradient, fullgraph=True)(*args)
         return metrics.generated_kernel_count
 
     with_rule = kernels_generated()
