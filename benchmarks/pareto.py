@@ -206,7 +206,7 @@ def child(spec: dict) -> dict:
         if backend.plans:
             p = backend.plans[0]
             rec.update(predicted_peak_bytes=p.predicted_peak_bytes, predicted_before_bytes=p.predicted_peak_before_bytes,
-                       solver_status=p.solver_status, solve_s=p.solve_s, predicted_added_s=p.added_time_s,
+                       solver_status=p.solver_status, solve_s=p.solve_s, predicted_added_s=p.total_added_time_s,
                        plan_summary=p.summary(), peak_breakdown=[list(x) for x in p.peak_breakdown[:8]],
                        recomputed=[[d.name, d.op, d.nbytes, d.time_cost_s] for d in sorted(
                            (d for d in p.decisions if d.choice == "recompute"), key=lambda d: -d.time_cost_s)[:12]])

@@ -48,6 +48,7 @@ class _CompileRecord:
     inputs: InputBytes | None = None
     request: PlanRequest | None = None  # what the region asks of the planner (and gets back)
     graph_rewrites: tuple[str, ...] = ()  # what the region changed in its graph before compiling
+    rewrite_time_s: float = 0.0  # what those changes are estimated to add to the step by themselves
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -79,7 +80,8 @@ class Partitioner(tp.PartitionerBase):
         if sizes:
             plan = dataclasses.replace(plan, size_bounds=tuple(sorted((str(k), v) for k, v in sizes.items())))
         if record is not None and record.graph_rewrites:
-            plan = dataclasses.replace(plan, graph_rewrites=record.graph_rewrites)
+            plan = dataclasses.replace(plan, graph_rewrites=record.graph_rewrites,
+                                       rewrite_time_s=record.rewrite_time_s)
         if record is not None:
             record.plan = plan
             record.inputs = inputs
@@ -204,11 +206,11 @@ class _Region:
         try:
             self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
         except NoSolverPlanFits:
-            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=None)
+            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=None, coarse=not cautious)
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
-            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=error)
+            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=error, coarse=not cautious)
         else:
             if not cautious:
                 device = backend.options.device or step_device(example_inputs)
@@ -226,21 +228,27 @@ class _Region:
                 and r.find(self.gm.graph)]
 
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
-                        whole_error: InfeasibleBudgetError | None) -> _Variant:
+                        whole_error: InfeasibleBudgetError | None, coarse: bool = True) -> _Variant:
         """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
         (None: its least peak not searched yet): apply the pending rewrites one at a time (the
         loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
         is searched for its least peak at first; where even that fails, the graphs before it are
         searched (from the most rewritten: a least-peak plan of one may fit), and the error names
         the smallest of their smallest budgets. Deferring the searches saved 25 of a 63 s first
-        call on Llama small at 9.91 MiB (benchmarks/compile_profile.py)."""
+        call on Llama small at 9.91 MiB (benchmarks/compile_profile.py). With `coarse`, a
+        rewrite with coarser variants (_Rewrite.coarse_first) tries those first (_plan_coarse)."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
         unsearched = [self._head_state()] if deferred else []
         pending = self._pending_rewrites()
         for i, rewrite in enumerate(pending):
+            reason = f"no {'solver ' if deferred else ''}plan fits without it"
+            if coarse:
+                fitted = self._plan_coarse(rewrite, reason, position, outside, compile_for)
+                if fitted is not None:
+                    return fitted
             self._apply(rewrite)
-            self.reasons[rewrite.attr] = f"no {'solver ' if deferred else ''}plan fits without it"
+            self.reasons[rewrite.attr] = reason
             log.info("memcompile: %s; chunking %s: %s", self.reasons[rewrite.attr], rewrite.what,
                      "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
             search = not deferred or i == len(pending) - 1
@@ -257,6 +265,25 @@ class _Region:
             except InfeasibleBudgetError as error:
                 errors.append(error)
         raise min(errors, key=lambda e: e.min_feasible_bytes)
+
+    def _plan_coarse(self, rewrite: "_Rewrite", reason: str, position: int, outside: int,
+                     compile_for: Callable[..., _Variant]) -> _Variant | None:
+        """The rewrite with fewer, larger chunks (each of rewrite.coarse_first, no least-peak
+        search): the first that a solver plan fits, or None with the region as it was. Fewer
+        chunks cost less: ViT small at 7.76 MiB ran 1.18x the step with its MLPs in 2 chunks
+        against 1.30x in 8 (the finest, what the MLPs' shapes ask for), both within the budget."""
+        for limit in rewrite.coarse_first:
+            saved = self._head_state()
+            if not self._apply(rewrite, limit):
+                return None
+            self.reasons[rewrite.attr] = f"{reason}; at most {limit} chunks (the fewest tried that fit)"
+            try:
+                return self._plan_for_position(position, outside, lambda o: compile_for(o, False))
+            except (NoSolverPlanFits, InfeasibleBudgetError):
+                log.info("memcompile: no solver plan fits with %s in at most %d chunks", rewrite.what, limit)
+                self._restore_head_state(saved)
+                self.reasons.pop(rewrite.attr, None)
+        return None
 
     def _rewrite_if_faster(self, rewrite: "_Rewrite", position: int, outside: int,
                            compile_for: Callable[..., _Variant], device: str) -> None:
@@ -308,10 +335,11 @@ class _Region:
         """Drop the plan of a compile this region does not use from the backend's list."""
         self.backend.plans[:] = [p for p in self.backend.plans if p is not plan]
 
-    def _apply(self, rewrite: "_Rewrite") -> bool:
-        """Apply a rewrite (passes/loss_head.py, passes/mlp_chunk.py) for every later compile;
-        False if it finds nothing to rewrite."""
-        gm, found = rewrite.apply(fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph)))
+    def _apply(self, rewrite: "_Rewrite", max_chunks: int | None = None) -> bool:
+        """Apply a rewrite (passes/loss_head.py, passes/mlp_chunk.py) for every later compile,
+        into at most `max_chunks` chunks where given; False if it finds nothing to rewrite."""
+        graph = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
+        gm, found = rewrite.apply(graph) if max_chunks is None else rewrite.apply(graph, max_chunks)
         if not found:
             return False
         self.gm = gm
@@ -327,13 +355,19 @@ class _Region:
             described += [x.describe() + (f" ({reason})" if reason else "") for x in getattr(self, rewrite.attr)]
         return tuple(described)
 
+    def _rewrite_time_s(self, device: str) -> float:
+        """What the changes to this region's graph are estimated to add to the step by themselves."""
+        profile = profile_for(device)
+        return sum(x.added_time_s(profile) for rewrite in _REWRITES for x in getattr(self, rewrite.attr))
+
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  request: PlanRequest) -> _Variant:
         options = self.backend.options
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it.
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
-        record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites())
+        record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites(),
+                                rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)))
         token = _RECORD.set(record)
         try:
             with planning_sizes(self.sizes):
@@ -479,11 +513,14 @@ class _Rewrite:
     # backward recomputes the up / gate projections, measured 1.25 ms a layer on Llama small
     # (benchmarks/mlp_chunk_cost.py) where estimated 0.6: applied only where no plan fits without it.
     when_faster: bool = True
+    # Chunk limits tried first, coarsest first, where no plan fits without the rewrite (`apply`
+    # then takes max_chunks): the fewest chunks that fit cost the least.
+    coarse_first: tuple[int, ...] = ()
 
 
 # In the order "auto" tries them where no plan fits: the loss head first (cheap to chunk).
 _REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", find_loss_heads, chunk_loss_heads),
-             _Rewrite("the MLPs", "chunk_mlp", "mlps", find_mlps, chunk_mlps, when_faster=False))
+             _Rewrite("the MLPs", "chunk_mlp", "mlps", find_mlps, chunk_mlps, when_faster=False, coarse_first=(2,)))
 
 # Options between a region's keep-all and least-peak plans offered to the step plan.
 _OPTIONS_BETWEEN = 3

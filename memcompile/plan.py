@@ -56,6 +56,14 @@ class Plan:
     library_workspace_bytes: int = 0  # part of reserve_bytes: the matmul library's workspaces
     # Rewrites of the user's graph before planning (passes/loss_head.py), one line each.
     graph_rewrites: tuple[str, ...] = ()
+    # Estimated step time those rewrites add by themselves (chunked ops, their recomputed
+    # projections), beyond added_time_s, which prices the plan's decisions on the rewritten graph.
+    rewrite_time_s: float = 0.0
+
+    @property
+    def total_added_time_s(self) -> float:
+        """The estimated step time the plan adds over plain Inductor: decisions and rewrites."""
+        return self.added_time_s + self.rewrite_time_s
 
     @property
     def step_budget_bytes(self) -> int:
@@ -86,7 +94,8 @@ class Plan:
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_phase} node {self.peak_node}",
             f"  saved activations: keep {format_bytes(kept)}, recompute {format_bytes(recomputed)} "
             + "".join(f", {label} {format_bytes(t[1])} -> {format_bytes(t[2])}" for label, t in stored)
-            + f" ({self.choices()}); added time ~{self.added_time_s * 1e3:.2f} ms",
+            + f" ({self.choices()}); added time ~{self.total_added_time_s * 1e3:.2f} ms"
+            + (f" (rewrites ~{self.rewrite_time_s * 1e3:.2f} ms)" if self.rewrite_time_s else ""),
             f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}",
         ]
         if self.size_bounds:

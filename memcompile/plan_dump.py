@@ -140,7 +140,9 @@ def plan_text(plan: Plan) -> str:
         f"{format_change(plan.predicted_peak_before_bytes, plan.predicted_peak_bytes)}"
         f" at {plan.peak_phase} node {plan.peak_node}",
         f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s, gap {plan.gap:.1%}",
-        f"  added step time  ~{format_seconds(plan.added_time_s)} (estimate)",
+        f"  added step time  ~{format_seconds(plan.total_added_time_s)} (estimate"
+        + (f": decisions ~{format_seconds(plan.added_time_s)}, rewrites ~{format_seconds(plan.rewrite_time_s)}"
+           if plan.rewrite_time_s else "") + ")",
         *(f"  rewrite          {rewrite}" for rewrite in plan.graph_rewrites),
         "",
         *breakdown_lines(plan),
@@ -247,7 +249,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
     if isinstance(data, str):
         data = json.loads(data)
     try:
-        data = {"library_workspace_bytes": 0, "graph_rewrites": [], **data}  # files written before these
+        data = {"library_workspace_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, **data}  # older files
         _exact_keys(data, Plan.__dataclass_fields__, f"plan {data.get('graph_id', '?')}")
         return Plan(
             graph_id=str(data["graph_id"]),
@@ -268,6 +270,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             size_bounds=tuple((str(n), int(v)) for n, v in data.get("size_bounds", ())),
             library_workspace_bytes=int(data["library_workspace_bytes"]),
             graph_rewrites=tuple(str(r) for r in data["graph_rewrites"]),
+            rewrite_time_s=float(data["rewrite_time_s"]),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error

@@ -19,6 +19,7 @@ with act one of F.gelu (exact or tanh), F.silu, F.relu / torch.relu.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -42,6 +43,15 @@ _MIN_CHUNK_ROWS = 32
 # beyond Inductor's fused one (the activation recomputed, unfused products).
 _OPS_PER_CHUNK = 16
 _EXTRA_INNER_PASSES = 4
+# Fitted to measured steps (pareto children, 1 thread, this 2-core CPU; 2026-12-02): ViT small's
+# two MLPs cost ~3.8 ms each in 8 chunks and ~2.2 ms in 2 (1.30x and 1.18-1.21x a ~26 ms step,
+# less the plans' own estimates), i.e. ~0.27 ms a chunk (17 us an eager op, against the 2 us
+# launch of the profile) over ~1.7 ms, twice the recomputed projections at the profile's matmul
+# rate (chunk-sized matmuls in the step ran 55-63 GFLOP/s against a profile of 96). Llama small,
+# fitted on neither: 3.3 ms an MLP in 6 chunks estimated, ~3.35 ms measured (its least-peak plan,
+# 1.25x, less the plan's and the loss head's estimates). The roofline alone said 1.1-1.2 ms.
+_EAGER_OP_S = 17e-6
+_CHUNKED_MATMUL_EFFICIENCY = 0.6
 
 _MULS = frozenset({operator.mul, torch.mul})
 
@@ -97,9 +107,9 @@ class MlpBlock:
         dtype = self.cast_to or self.dtype
         size = torch.tensor([], dtype=dtype).element_size()
         flops = mlp_ops.recompute_flops(self.tokens, self.hidden, self.inner, self.gated)
-        return (flops / profile.matmul_rate(dtype)
+        return (flops / (_CHUNKED_MATMUL_EFFICIENCY * profile.matmul_rate(dtype))
                 + _EXTRA_INNER_PASSES * self.tokens * self.inner * size / profile.memory_bytes_per_s
-                + self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s)
+                + self.chunks * _OPS_PER_CHUNK * max(profile.op_overhead_s, _EAGER_OP_S))
 
 
 def _static_shape(node: object) -> tuple[int, ...] | None:
@@ -190,10 +200,13 @@ def find_mlps(graph: fx.Graph) -> tuple[MlpBlock, ...]:
     return tuple(block for block in (_match(n) for n in graph.nodes if n.op == "call_function") if block is not None)
 
 
-def chunk_mlps(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[MlpBlock, ...]]:
-    """A copy of `gm` with every MLP chunked (see the module docstring), and the MLPs.
-    Returns `gm` itself and () when none matches."""
+def chunk_mlps(gm: fx.GraphModule, max_chunks: int | None = None) -> tuple[fx.GraphModule, tuple[MlpBlock, ...]]:
+    """A copy of `gm` with every MLP chunked (see the module docstring), and the MLPs; with
+    `max_chunks`, into at most that many chunks each (fewer, larger chunks: less overhead, more
+    memory). Returns `gm` itself and () when none matches."""
     blocks = find_mlps(gm.graph)
+    if max_chunks is not None:
+        blocks = tuple(dataclasses.replace(b, chunks=max(1, min(b.chunks, max_chunks))) for b in blocks)
     if not blocks:
         return gm, ()
     return rewritten_copy(gm, blocks, _rewrite), blocks

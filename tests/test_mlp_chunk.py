@@ -4,6 +4,8 @@ where no plan fits without it (chunk_mlp="auto")."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -13,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memcompile
+from memcompile.cost_models.device import profile_for
 from memcompile.passes.mlp_chunk import chunk_mlps, find_mlps
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
@@ -64,22 +67,26 @@ def _captured(module: nn.Module, *inputs: torch.Tensor) -> torch.fx.GraphModule:
 @settings(max_examples=12, deadline=None)
 @given(activation=st.sampled_from(sorted(_ACTIVATIONS)), gated=st.booleans(), bias=st.booleans(),
        batch=st.integers(2, 3), seq=st.integers(40, 90), hidden=st.sampled_from([8, 16, 24]),
-       inner=st.integers(20, 100), depth=st.integers(1, 2), seed=st.integers(0, 2**16))
+       inner=st.integers(20, 100), depth=st.integers(1, 2), seed=st.integers(0, 2**16),
+       max_chunks=st.sampled_from([None, 1, 2, 3]))
 def test_chunked_mlps_give_the_same_loss_and_gradients(activation, gated, bias, batch, seq, hidden, inner, depth,
-                                                       seed) -> None:
+                                                       seed, max_chunks) -> None:
     torch.manual_seed(seed)
     model = MlpStack(hidden, inner, depth, activation, gated, bias)
     x = torch.randn(batch, seq, hidden)
     gm = _captured(model, x)
-    chunked, blocks = chunk_mlps(gm)
+    chunked, blocks = chunk_mlps(gm, max_chunks)
+    finest = find_mlps(gm.graph)
     assert len(blocks) == depth and all(b.gated == gated and b.activation == activation for b in blocks)
-    assert all(b.tokens == batch * seq and b.chunks >= 2 for b in blocks)
+    assert all(b.tokens == batch * seq for b in blocks)
+    assert [b.chunks for b in blocks] == [f.chunks if max_chunks is None else min(f.chunks, max_chunks) for f in finest]
+    assert all(f.chunks >= 2 for f in finest)
     assert not find_mlps(chunked.graph)  # every MLP became one op
     targets = [str(n.target) for n in chunked.graph.nodes]
     assert sum("chunked_mlp" in t for t in targets) == depth
     params = list(model.parameters())
     eager = grads(params, lambda: model(x))
-    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g)[0].forward)
+    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g, max_chunks)[0].forward)
     got = grads(params, lambda: compiled(x))
     torch._dynamo.reset()
     for g, want in zip(got, eager):
@@ -155,6 +162,44 @@ def test_auto_chunks_the_mlps_where_no_plan_fits_without_them() -> None:
         backend, compiled = compile_under(model, fits)
         compiled(x).backward()
         assert all(not p.graph_rewrites for p in backend.plans)
+    torch.compiler.reset()
+
+
+def _chunk_counts(plan) -> list[int]:
+    return [int(r.split("chunked into ")[1].split()[0]) for r in plan.graph_rewrites if r.startswith("MLP ")]
+
+
+def test_auto_chunks_the_mlps_as_coarsely_as_the_budget_allows() -> None:
+    # The finest chunking (8 chunks here) lowers the floor most, but each chunk costs its own op
+    # launches and smaller matmuls: where 2 chunks fit, auto takes 2; where only the finest fits,
+    # the finest.
+    torch.manual_seed(2)
+    model = MlpStack(hidden=32, inner=512, depth=2, activation="gelu", gated=False, bias=True)
+    x = torch.randn(4, 64, 32)
+    finest = find_mlps(_captured(model, x).graph)
+    assert {b.chunks for b in finest} == {8}
+    whole_floor, _ = budget_range(model, x, chunk_mlp=False)
+    chunked_floor, _ = budget_range(model, x, chunk_mlp=True)
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    for budget, counts in ((whole_floor - 1, [2, 2]), (chunked_floor, [8, 8])):
+        torch.compiler.reset()
+        backend, compiled = compile_under(model, budget)
+        got = grads(params, lambda: compiled(x))
+        plan = backend.plans[-1]
+        assert _chunk_counts(plan) == counts, plan.graph_rewrites
+        # what the plan says it adds counts the chunked MLPs' own cost, more for more chunks
+        chunked = [dataclasses.replace(b, chunks=c) for b, c in zip(finest, counts)]
+        assert plan.rewrite_time_s == pytest.approx(sum(b.added_time_s(profile_for("cpu")) for b in chunked))
+        assert plan.total_added_time_s == plan.added_time_s + plan.rewrite_time_s > plan.added_time_s
+        assert "rewrites ~" in memcompile.dump(backend)
+        assert ("at most 2 chunks" in plan.graph_rewrites[0]) == (counts == [2, 2])
+        assert plan.predicted_peak_bytes <= plan.step_budget_bytes
+        for g, want in zip(got, eager):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+        for p in params:
+            p.grad = None
+        assert memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes <= budget
     torch.compiler.reset()
 
 
