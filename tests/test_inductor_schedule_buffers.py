@@ -304,7 +304,6 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
     import torch._inductor.config as inductor_config
     from torch._inductor import metrics
 
-
     args = (torch.randn(256, 128), torch.randn(256, 128), torch.randn(256, 128),
             torch.randn(256, 64), torch.randn(256, 64))
     tp.install_fusion_rules()
