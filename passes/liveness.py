@@ -356,7 +356,9 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
     the wrapper allocates (`allocates`: generated kernels and mm/addmm/bmm writing into
     `out=`), not library kernels that allocate their own.
 
-    Inductor reuses only when the two are adjacent or when holding the buffer keeps its own
+    In the graphs memcompile plans, only an allocation by the next kernel reuses a dead buffer
+    (_torch_private.ADJACENT_REUSE_ONLY). Stock Inductor (MEMCOMPILE_ADJACENT_REUSE=0) reuses
+    when the two are adjacent or when holding the buffer keeps its own
     estimate of the graph's peak (`should_reuse_buffer`); on Llama it held six dead 688 KiB
     buffers across our predicted peak. `estimate` is that estimate (per step, overall: Inductor's
     schedule, see _inductor_would_reuse); without it every pop is taken, which held more memory
@@ -373,7 +375,11 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
             bucket = pool.get((new.dtype, new.nbytes, new.aligned))
             if node in allocates and key not in taken and bucket:
                 old, freed_at = bucket.pop()
-                if held is None or _inductor_would_reuse(held, estimate[1], freed_at, step, new.nbytes):
+                if tp.ADJACENT_REUSE_ONLY:  # memcompile's rule in its graphs (_torch_private.install_reuse_rule)
+                    reused = freed_at + 1 == step
+                else:
+                    reused = held is None or _inductor_would_reuse(held, estimate[1], freed_at, step, new.nbytes)
+                if reused:
                     reuses[old] = (step, key)
                 else:
                     bucket.append((old, freed_at))  # Inductor puts it back and allocates anew

@@ -323,3 +323,40 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
     monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
     assert kernels_generated() == with_rule + 1  # the product and the up gradient apart
     torch.compiler.reset()
+
+
+def _early_dead_buffer_and_a_late_one_of_its_size(x, w_big, w_wide, w_row):
+    c = (x @ w_big).sum(1, keepdim=True)  # the graph's peak (as Inductor estimates it), first
+    a = (x + c).sin()
+    p = a @ w_wide  # a's last reader: dead from here, its size free for a later result
+    s = p.sum(1, keepdim=True)
+    return s @ w_row  # the size of a, two kernels after a died: holding a stays under that peak
+
+
+def test_in_planned_graphs_the_wrapper_reuses_a_dead_buffer_only_for_the_next_kernel(monkeypatch):
+    """Inductor's wrapper holds a dead buffer for a later allocation of its size wherever its own
+    estimate of the graph's peak allows (AllocateLine.should_reuse_buffer); on Llama small two
+    dead 256 KiB gradients were held through the step's peak. In graphs memcompile planned the
+    dead buffer is freed instead (the check's model: test_scheduled_liveness); elsewhere, and
+    with MEMCOMPILE_ADJACENT_REUSE=0, as stock Inductor."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    args = (torch.randn(128, 128), torch.randn(128, 1024), torch.randn(128, 512), torch.randn(1, 128))
+    tp.install_reuse_rule()
+
+    def reuses() -> list[str]:
+        torch.compiler.reset()
+        with inductor_config.patch(fx_graph_cache=False):
+            _, (code, *_) = run_and_get_code(torch.compile(_early_dead_buffer_and_a_late_one_of_its_size,
+                                                           fullgraph=True), *args)
+        return [line.strip() for line in code.splitlines() if line.strip().endswith("# reuse")]
+
+    stock = reuses()
+    assert stock  # among them the last result, held for in the dead sin(x)'s memory
+    monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
+    planned = reuses()
+    assert set(planned) < set(stock), (planned, stock)  # only reuses by the next kernel remain
+    monkeypatch.setattr(tp, "ADJACENT_REUSE_ONLY", False)
+    assert reuses() == stock
+    torch.compiler.reset()

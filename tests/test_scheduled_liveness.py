@@ -3,9 +3,11 @@ hand-made schedules: no Inductor run (tests/test_fusion_inductor.py checks real 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 
+from memcompile import _torch_private as tp
 from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
 from memcompile.passes.liveness import OP_SCRATCH_BYTES, analyze_liveness, analyze_scheduled_liveness
 
@@ -59,6 +61,35 @@ def test_results_of_one_kernel_coexist_and_one_may_take_a_dying_input():
     assert _forward_steps(timeline) == [x + 4 * KIB, x + 12 * KIB, x + 16 * KIB]
 
 
+@pytest.fixture
+def stock_reuse(monkeypatch):
+    """Inductor's own reuse rule (MEMCOMPILE_ADJACENT_REUSE=0), which these tests model; the
+    graphs memcompile plans reuse only between adjacent kernels (the test after this one)."""
+    monkeypatch.setattr(tp, "ADJACENT_REUSE_ONLY", False)
+
+
+def test_in_planned_graphs_a_freed_buffer_is_reused_only_by_the_next_kernel():
+    """memcompile's rule (_torch_private.install_reuse_rule): the kernels of the next test, where
+    Inductor holds buf0 and buf1 dead for later allocations of their sizes; here each is freed
+    when it dies and the later result allocated anew."""
+    assert tp.ADJACENT_REUSE_ONLY  # the default
+    x = 4 * KIB
+    fw = _graph({"primals_1": 1024}, [("out", 1024)])
+    kernels = (
+        _kernel(0, [("buf0", 8 * KIB)], ["primals_1"]),
+        _kernel(1, [("buf1", 4 * KIB)], ["buf0"], generated=False),
+        _kernel(2, [("buf2", 2 * KIB)], ["buf1"]),
+        _kernel(3, [("buf3", 8 * KIB)], ["buf2"]),
+        _kernel(4, [("buf4", 4 * KIB)], ["buf3"]),
+        _kernel(5, [("buf5", 4 * KIB)], ["buf4"]),
+    )
+    steps = _forward_steps(analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf5",)), None))
+    assert steps[:5] == [x + 8 * KIB, x + 12 * KIB, x + 4 * KIB + 2 * KIB, x + 2 * KIB + 8 * KIB,
+                         x + 8 * KIB + 4 * KIB]
+    assert steps[5] == x + 4 * KIB + 4 * KIB  # buf4 read while buf5 is written: no taker before it dies
+
+
+@pytest.mark.usefixtures("stock_reuse")
 def test_a_freed_buffer_is_held_for_the_next_allocation_of_its_size():
     x = 4 * KIB
     fw = _graph({"primals_1": 1024}, [("out", 1024)])
@@ -98,6 +129,7 @@ def test_saved_tensors_renamed_by_post_grad_passes_are_held_for_the_backward():
     assert backward_peak(analyze_liveness(fw, bw, 1)) < saved
 
 
+@pytest.mark.usefixtures("stock_reuse")
 def test_a_freed_buffer_is_reused_only_where_inductors_own_estimate_allows():
     """Inductor's wrapper reuses a freed buffer for a later allocation of its size only when
     they are adjacent or holding it keeps Inductor's estimate of the schedule within its peak
@@ -140,6 +172,7 @@ def test_inductors_reuse_rule_counts_what_earlier_reuses_hold():
     assert _inductor_would_reuse(held, 20, freed_at=2, step=3, nbytes=100)  # adjacent: always
 
 
+@pytest.mark.usefixtures("stock_reuse")
 def test_a_saved_tensor_the_backward_frees_is_not_held_for_a_later_allocation():
     """Inductor's wrapper frees a graph input outright (codegen_free: FreeLine for an
     InputBuffer, donated or not): a saved tensor is never kept for reuse. Counting it as pooled
@@ -162,6 +195,7 @@ def test_a_saved_tensor_the_backward_frees_is_not_held_for_a_later_allocation():
     assert steps[3] == steps[2] - 4 * KIB - KIB  # the saved tensor and buf1 freed; buf3 in buf0
 
 
+@pytest.mark.usefixtures("stock_reuse")
 def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
     """The wrapper's reuse key includes alignment (buffer_reuse_key): the outputs of a library
     call returning a tuple (attention's gradients) are assumed not aligned, so the next aligned
@@ -181,6 +215,7 @@ def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
     assert steps[3] == x + KIB + 4 * KIB  # buf1 freed, buf3 in buf0's memory
 
 
+@pytest.mark.usefixtures("stock_reuse")
 def test_a_result_written_over_an_unaligned_saved_tensor_is_not_held_for_an_aligned_allocation():
     """Inductor assumes every CPU graph input unaligned (utils.should_assume_input_aligned), and a
     result written in place over one inherits that (make_inplace): its reuse key matches no
