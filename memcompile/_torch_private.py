@@ -169,7 +169,8 @@ LIFETIME_FUSION = os.environ.get("MEMCOMPILE_LIFETIME_FUSION", "1") != "0"  # 0:
 # attention gradients were held through layer 0's MLP backward, the step's peak. In planned
 # graphs only the next kernel's allocation takes a dead buffer over (a hold of no kernel); any
 # other is freed when it dies and the later one allocated anew, so no kernel runs with more
-# memory held than it needs. Llama small's smallest budget 8.50 -> 8.41 MiB with it.
+# memory held than it needs. Smallest budgets with it: GPT-2 small 9.09 -> 8.45 MiB, Llama small
+# 8.50 -> 8.41, ViT small 6.51 -> 6.38 (BERT, ResNet unchanged).
 ADJACENT_REUSE_ONLY = os.environ.get("MEMCOMPILE_ADJACENT_REUSE", "1") != "0"  # 0: off, for comparisons
 
 

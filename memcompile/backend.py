@@ -282,7 +282,6 @@ class _Region:
             except (NoSolverPlanFits, InfeasibleBudgetError):
                 log.info("memcompile: no solver plan fits with %s in at most %d chunks", rewrite.what, limit)
                 self._restore_head_state(saved)
-                self.reasons.pop(rewrite.attr, None)
         return None
 
     def _rewrite_if_faster(self, rewrite: "_Rewrite", position: int, outside: int,
