@@ -375,7 +375,9 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
             bucket = pool.get((new.dtype, new.nbytes, new.aligned))
             if node in allocates and key not in taken and bucket:
                 old, freed_at = bucket.pop()
-                if tp.ADJACENT_REUSE_ONLY:  # memcompile's rule in its graphs (_torch_private.install_reuse_rule)
+                if tp.ADJACENT_REUSE_ONLY and estimate is not None:
+                    # memcompile's rule in its graphs (_torch_private.install_reuse_rule), over
+                    # Inductor's kernels; the graph-order count keeps taking every reuse (a bound)
                     reused = freed_at + 1 == step
                 else:
                     reused = held is None or _inductor_would_reuse(held, estimate[1], freed_at, step, new.nbytes)
