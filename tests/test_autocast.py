@@ -60,6 +60,10 @@ def assert_close_low_precision(got, expected, dtype):
 # Found by CI on an AMX-BF16 CPU: oneDNN's bf16 convolution scratchpads were not counted (18 KB over).
 @(example(arch="convbn", dtype=torch.bfloat16, batch=4, fraction=0.9156276017479172)
   if torch.bfloat16 in DTYPES else (lambda test: test))
+# Found by CI (s19): at the floor the MLPs are chunked, and the weight gradients summed over chunks
+# differed from the unchunked plan's by one bf16 rounding (1.2e-4), where this compared bit for bit.
+@(example(arch="attention", dtype=torch.bfloat16, batch=8, fraction=0.0)
+  if torch.bfloat16 in DTYPES else (lambda test: test))
 def test_autocast_plans_fit_and_match_eager_autocast(arch, dtype, batch, fraction):
     torch.compiler.reset()
     model, x = build(arch, 16, 2, batch)
@@ -72,8 +76,13 @@ def test_autocast_plans_fit_and_match_eager_autocast(arch, dtype, batch, fractio
     tight = run_step(step_module, x, params, budget)
     assert_within_budget(tight, budget)
     assert_close_low_precision(tight.grads, eager, dtype)
-    for a, b in zip(free.grads, tight.grads):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    if tight.plan.graph_rewrites:
+        # chunked rewrites (MLPs, the loss head) sum weight gradients chunk by chunk, each chunk's
+        # product rounded to the low precision: equal to the unchunked plan's up to that rounding
+        assert_close_low_precision(tight.grads, free.grads, dtype)
+    else:
+        for a, b in zip(free.grads, tight.grads):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
     # sizes come from the dtypes the graph really holds: the low-precision activations
     low_precision = [d for d in tight.plan.decisions if d.dtype == str(dtype).replace("torch.", "")]
     assert low_precision, [(d.name, d.dtype) for d in tight.plan.decisions]
