@@ -109,21 +109,21 @@ def child(spec: dict) -> dict:
         rec["variants"][name] = info
         runs.append((name, fn, var.module, var.inputs))
 
+    def timed(fn, module, inputs) -> float:
+        # after STEPS_PER_SWITCH - 1 untimed steps of the same function, as pareto.py times
+        for _ in range(STEPS_PER_SWITCH - 1):
+            one_step(fn, module, inputs)
+        return one_step(fn, module, inputs)
+
     base_times: list[float] = []
     base2_times: list[float] = []
     times: dict[str, list[float]] = {name: [] for name, *_ in runs}
     for i in range(spec["steps"]):
         order = runs[i % len(runs):] + runs[:i % len(runs)]  # no variant always right after the baseline
-        for _ in range(STEPS_PER_SWITCH - 1):
-            one_step(base_fn, base.module, base.inputs)
-        base_times.append(one_step(base_fn, base.module, base.inputs))
+        base_times.append(timed(base_fn, base.module, base.inputs))
         for name, fn, module, inputs in order:
-            for _ in range(STEPS_PER_SWITCH - 1):
-                one_step(fn, module, inputs)
-            times[name].append(one_step(fn, module, inputs))
-        for _ in range(STEPS_PER_SWITCH - 1):
-            one_step(base_fn, base.module, base.inputs)
-        base2_times.append(one_step(base_fn, base.module, base.inputs))
+            times[name].append(timed(fn, module, inputs))
+        base2_times.append(timed(base_fn, base.module, base.inputs))
     # the reference: both baselines' steps (the first of a round follows the previous round's
     # last variant, the second follows this round's variants)
     base_median = statistics.median(base_times + base2_times)
