@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import os
 
 import torch
 import torch.fx as fx
@@ -146,6 +147,16 @@ _KIB = 1024
 # (backward 4x the input) is what 8-channel blocks give a 4-channel layer: on AVX-512 the same
 # layer's blocked copies are 4x each, and the backward holds two of them at once.
 _CONV_CHANNEL_BLOCK = 16
+
+
+def onednn_channel_block() -> int:
+    """The channel block of oneDNN's convolution kernels on this CPU: 16 with AVX-512, 8 below
+    (AVX2). Read from ATen's CPU capability, capped by oneDNN's own ISA switch where it is set
+    (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA, e.g. "AVX2": what tests use to model AVX2 CPUs)."""
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if capped and capped.upper() != "ALL" and "512" not in capped and "AMX" not in capped.upper():
+        return 8
+    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
 _BF16_CONV_SCRATCH_PER_THREAD = 48 * _KIB
 
 
@@ -160,13 +171,15 @@ def _conv_workspace_guess(node: fx.Node) -> int:
 def _conv_workspace_cpu(node: fx.Node, channels_last: bool = False) -> int:
     """What oneDNN's convolution allocates on CPU besides the op's results (torch 2.13, float32,
     allocator events over batch 2-16, channels 3-64, sizes 8-32, kernels 1 and 3, strides 1
-    and 2, 1 and 2 threads: never under, tests/test_conv_workspace.py). Channels padded to the
+    and 2, 1 and 2 threads, AVX-512 and AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 CPU gives
+    the AVX2 machines' numbers exactly): never under, tests/test_conv_workspace.py). Channels padded to the
     block (`ci`, `co`); `src`, `dst`, `wei`: blocked copies of input, output and weights.
     Channels-last tensors (`channels_last`: Inductor's layout on CPU, or the input's strides) are
     read and written as they are: only the weights are blocked, forward one copy, backward one
     per thread plus the blocked weight gradient. Contiguous (NCHW) ones are copied to blocks:
-    - forward: src (not for a thin input read by a direct kernel: < 16 channels, kernel > 1),
-      wei, bias and dst at once; then dst and the plain result.
+    - forward: src (not for a thin input read by a direct kernel: fewer channels than the
+      block of this CPU, kernel > 1), wei, bias and dst at once; then dst and the plain result.
+      Channels-last on AVX2: also 8 output columns' input rows per thread (c_in x kernel x 8).
     - backward, input gradient: blocked grad_output, wei and the blocked input gradient at once;
       then that and the plain input gradient; with strides > 1 two more input-sized copies.
     - backward, weight gradient: the input gradient (already made), src, blocked grad_output and
@@ -199,14 +212,17 @@ def _conv_workspace_cpu(node: fx.Node, channels_last: bool = False) -> int:
     bias = co * itemsize
     threads = torch.get_num_threads()
     strided = any(size_value(s) > 1 for s in stride)
+    block = onednn_channel_block()
     if channels_last or _is_channels_last(inp):
         if not backward:
-            return wei + bias + threads * 16 * _KIB
+            # AVX2's kernels gather each thread's input rows for 8 output columns at once.
+            rows = 8 * c_in * kernel * itemsize if block < _CONV_CHANNEL_BLOCK else 0
+            return wei + bias + threads * (16 * _KIB + rows)
         return (1 + threads) * (wei + bias) + threads * (96 if strided else 32) * _KIB
     rtus = min(batch, threads) * max(ci, co) * min(space_in, space_out) * itemsize if strided else 0
     if not backward:
         result = tensor_nbytes(out)
-        thin = c_in < _CONV_CHANNEL_BLOCK and kernel > 1
+        thin = c_in < block and kernel > 1
         return max(rtus + (0 if thin else src) + wei + bias + dst - result, dst) + 16 * _KIB
     results = tensor_nbytes(node.meta.get("val"))  # the gradients asked for (None where masked)
     grad_input = tensor_nbytes(inp) if mask[0] else 0
