@@ -47,10 +47,11 @@ def measure(model: str, size: str, steps: int, budget: str) -> dict:
         key = "chunked" if chunk else "whole"
         row[f"{key}_peak_bytes"] = peak.peak_bytes
         row[f"{key}_rewrites"] = [r for p in backend.plans for r in p.graph_rewrites]
+        row[f"{key}_estimated_rewrite_s"] = sum(p.rewrite_time_s for p in backend.plans)
         runs.append((fn, module))
     times = interleaved_medians(runs, inputs, steps)
     whole, chunked = (statistics.median(t) for t in times)
-    row.update(whole_step_s=whole, chunked_step_s=chunked, step_ratio=chunked / whole,
+    row.update(whole_step_s=whole, chunked_step_s=chunked, step_ratio=chunked / whole, added_s=chunked - whole,
                min_step_ratio=min(times[1]) / min(times[0]), steps=steps, threads=torch.get_num_threads())
     return row
 
@@ -63,14 +64,15 @@ def markdown(rows: list[dict], command: str) -> str:
         f"(median; min-over-min as a less noisy cross-check). Command: `{command}`.",
         "",
         "| model | whole peak MiB | chunked peak MiB | peak ratio | whole step ms | chunked step ms "
-        "| step ratio (median) | step ratio (min) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step ratio (median) | step ratio (min) | added ms (median) | estimated ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} ({r['size']}) | {r['whole_peak_bytes'] / MIB:.2f} | {r['chunked_peak_bytes'] / MIB:.2f} "
             f"| {r['chunked_peak_bytes'] / r['whole_peak_bytes']:.3f} | {r['whole_step_s'] * 1e3:.1f} "
-            f"| {r['chunked_step_s'] * 1e3:.1f} | {r['step_ratio']:.3f} | {r['min_step_ratio']:.3f} |")
+            f"| {r['chunked_step_s'] * 1e3:.1f} | {r['step_ratio']:.3f} | {r['min_step_ratio']:.3f} "
+            f"| {(r['chunked_step_s'] - r['whole_step_s']) * 1e3:.2f} | {r['chunked_estimated_rewrite_s'] * 1e3:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,12 +2,20 @@
 
     python benchmarks/workspace_probe.py gemm [--threads 1] [--draws 400] [--seed 7]
     python benchmarks/workspace_probe.py attention [--threads 1] [--draws 150] [--seed 1]
+    [ONEDNN_MAX_CPU_ISA=AVX2] python benchmarks/workspace_probe.py conv [--draws 500] [--seed 11]
 
 gemm: float16/bfloat16 mm/addmm/bmm over a grid of skinny shapes (m 1-32, k 1-8192, n 1-64) and
 random draws (each side a few rows or up to 300, k up to 2000): scratch = the allocator's rise
 during the call less the result, against graph_facts.kernel_workspace_bytes. attention: float32
 CPU flash attention forward and backward over random shapes, masks and grad_out layouts: the
-distribution of counted - measured. Writes benchmarks/results/workspace_probe_<kind>.json.
+distribution of counted - measured. conv: float32 oneDNN convolution forward and backward over
+random channels (3-64), batches, sizes, kernels 1/3, strides 1/2, 1-2 threads (drawn), gradient
+masks and layouts (contiguous; channels-last, traced contiguous and counted as Inductor's layout);
+with ONEDNN_MAX_CPU_ISA=AVX2 an AVX-512 CPU allocates as an AVX2 one does. Channels-last strided
+1x1 backwards with < 16 input channels are not run (oneDNN writes past its scratchpad there:
+uxlfoundation/oneDNN#6035). Writes benchmarks/results/workspace_probe_<kind>[_<isa cap>].json.
+Session 20 (torch 2.13, AVX-512 EPYC): conv 500 draws, 0 under the count, AVX-512 and capped at
+AVX2 (seeds 11 and 21).
 Session 11 (torch 2.13, Xeon with AMX-BF16 and AVX512-FP16): gemm 0 of 1,480 shapes under the
 count; 175 of the same 1,480 with the count before the skinny term (`git show
 e1f8546^:passes/graph_facts.py`, its kernel_workspace_bytes patched in for this module's), worst
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 from pathlib import Path
 
@@ -27,7 +36,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.passes.graph_facts import kernel_workspace_bytes
+from memcompile.passes.graph_facts import kernel_workspace_bytes, onednn_channel_block
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GEMMS = {"mm": (lambda a, b, c: torch.mm(a, b), False), "addmm": (lambda a, b, c: torch.addmm(c, a, b), False),
@@ -105,9 +114,50 @@ def attention_rows(draws: int, seed: int) -> list[dict]:
     return rows
 
 
+CONVOLUTION = torch.ops.aten.convolution.default
+CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
+
+
+def conv_rows(draws: int, seed: int) -> list[dict]:
+    rnd, rows = random.Random(seed), []
+    for _ in range(draws):
+        c_in, c_out = rnd.choice([3, 4, 8, 12, 16, 24, 32, 64]), rnd.choice([4, 8, 12, 16, 32, 64])
+        batch, size, kernel, stride = rnd.choice([2, 7, 16]), rnd.choice([8, 16, 32]), rnd.choice([1, 3]), rnd.choice([1, 2])
+        threads, layout = rnd.choice([1, 2]), rnd.choice(["contiguous", "channels_last"])
+        mask = rnd.choice([(True, True, True), (False, True, True), (True, False, False)])
+        torch.set_num_threads(threads)
+        x, w, b = torch.randn(batch, c_in, size, size), torch.randn(c_out, c_in, kernel, kernel), torch.randn(c_out)
+        args = ([stride] * 2, [kernel // 2] * 2, [1, 1], False, [0, 0], 1)
+
+        def forward(x, w, b):
+            return CONVOLUTION(x, w, b, *args)
+
+        def backward(g, x, w):
+            return CONVOLUTION_BACKWARD(g, x, w, [c_out], *args, list(mask))
+
+        row = dict(c_in=c_in, c_out=c_out, batch=batch, size=size, kernel=kernel, stride=stride, threads=threads,
+                   layout=layout, mask=mask)
+        grad = torch.randn_like(forward(x, w, b))
+        phases = [("forward", forward, [x, w, b], CONVOLUTION)]
+        if not (layout != "contiguous" and kernel == 1 and stride > 1 and c_in < 16):
+            phases.append(("backward", backward, [grad, x, w], CONVOLUTION_BACKWARD))
+        for phase, fn, inputs, target in phases:
+            node = _only_node(fn, *inputs, targets=(target,))  # traced contiguous, as Inductor's graphs are
+            if layout != "contiguous":
+                inputs = [t.to(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs]
+            fn(*inputs)  # oneDNN's primitive caches filled, as in a warm step
+            measured = memcompile.measure_peak(fn, *inputs, live_at_start=inputs)
+            results = measured.result if isinstance(measured.result, (tuple, list)) else [measured.result]
+            row[f"{phase}_scratch"] = measured.rise_bytes - sum(r.nbytes for r in results if r is not None)
+            # a channels_last run of a contiguous trace is what kernel_workspace_bytes(inductor=True) counts
+            row[f"{phase}_counted"] = kernel_workspace_bytes(node, inductor=layout != "contiguous")
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=("gemm", "attention"))
+    ap.add_argument("kind", choices=("gemm", "attention", "conv"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draws", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
@@ -118,6 +168,14 @@ def main() -> None:
         under = [r for r in rows if r["scratch"] > r["counted"]]
         summary = {"shapes": len(rows), "under_the_count": len(under), "worst": max(
             under, key=lambda r: r["scratch"] - r["counted"], default=None)}
+    elif args.kind == "conv":
+        rows = conv_rows(args.draws if args.draws is not None else 500, args.seed if args.seed is not None else 11)
+        under = [(phase, r) for r in rows for phase in ("forward", "backward")
+                 if r.get(f"{phase}_scratch", 0) > r.get(f"{phase}_counted", 0)]
+        ratios = sorted(r["forward_counted"] / max(1, r["forward_scratch"]) for r in rows)
+        summary = {"shapes": len(rows), "under_the_count": len(under), "channel_block": onednn_channel_block(),
+                   "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA"), "forward_counted_over_measured_median":
+                   ratios[len(ratios) // 2] if ratios else None, "under": under[:10]}
     else:
         rows = attention_rows(args.draws if args.draws is not None else 150, args.seed if args.seed is not None else 1)
         summary = {"shapes": len(rows), "forward_counted_minus_measured": sorted(collections.Counter(
@@ -127,7 +185,8 @@ def main() -> None:
     summary.update(threads=args.threads, torch=torch.__version__)
     print(json.dumps(summary, indent=1))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"workspace_probe_{args.kind}.json").write_text(json.dumps({"summary": summary, "rows": rows}) + "\n")
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    (RESULTS / f"workspace_probe_{args.kind}{'_' + cap.lower() if cap else ''}.json").write_text(json.dumps({"summary": summary, "rows": rows}) + "\n")
 
 
 if __name__ == "__main__":
