@@ -192,6 +192,24 @@ def install_reuse_rule() -> None:
     AllocateLine.should_reuse_buffer = should_reuse_buffer
 
 
+# While set (stock_inductor_rules), the schedule check models a graph as stock Inductor compiles
+# it: not marked planned, so neither the reuse rule nor the lifetime fusion rule applies.
+_CHECK_STOCK_RULES = False
+
+
+@contextlib.contextmanager
+def stock_inductor_rules():
+    """Predict (inductor_schedule, the liveness's reuse model) for a graph compiled under
+    Inductor's own reuse and fusion rules, as an unmarked graph is."""
+    global ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES
+    saved = ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES
+    ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES = False, True
+    try:
+        yield
+    finally:
+        ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES = saved
+
+
 def mark_planned(*graphs: fx.GraphModule) -> None:
     """Mark graphs as planned by memcompile (see PLANNED_GRAPH)."""
     for gm in graphs:
@@ -520,7 +538,8 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example)
     install_fusion_rules()  # the fusion rules of memcompile's own compiles, installed once
-    mark_planned(gm)  # and applying to this graph
+    if not _CHECK_STOCK_RULES:
+        mark_planned(gm)  # and applying to this graph
     graph = GraphLowering(gm, example_inputs=example, is_backward=is_backward)
     if is_backward:
         # AOTAutograd donates saved tensors to the backward (bw_donated_idxs), which may write

@@ -88,7 +88,8 @@ class Partitioner(tp.PartitionerBase):
         if backend is not None:
             backend.plans.append(plan)
             write_dump_dir(plan, os.environ.get("MEMCOMPILE_DUMP_DIR"))
-        tp.mark_planned(fw, bw)
+        if not plan.stock_inductor_rules:
+            tp.mark_planned(fw, bw)
         return fw, bw
 
     def uuid(self) -> str:

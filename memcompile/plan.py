@@ -59,6 +59,10 @@ class Plan:
     # Estimated step time those rewrites add by themselves (chunked ops, their recomputed
     # projections), beyond added_time_s, which prices the plan's decisions on the rewritten graph.
     rewrite_time_s: float = 0.0
+    # The graphs compile under Inductor's own buffer reuse and fusion rules, not memcompile's
+    # (_torch_private.install_reuse_rule / install_fusion_rules): PyTorch's partition checked
+    # within the budget under them, so it runs as PyTorch's own compile does.
+    stock_inductor_rules: bool = False
 
     @property
     def total_added_time_s(self) -> float:
@@ -96,7 +100,8 @@ class Plan:
             + "".join(f", {label} {format_bytes(t[1])} -> {format_bytes(t[2])}" for label, t in stored)
             + f" ({self.choices()}); added time ~{self.total_added_time_s * 1e3:.2f} ms"
             + (f" (rewrites ~{self.rewrite_time_s * 1e3:.2f} ms)" if self.rewrite_time_s else ""),
-            f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}",
+            f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}"
+            + (", compiled under Inductor's own rules" if self.stock_inductor_rules else ""),
         ]
         if self.size_bounds:
             lines.append("  covers sizes " + ", ".join(f"{name} <= {size}" for name, size in self.size_bounds))

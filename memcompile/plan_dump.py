@@ -139,7 +139,8 @@ def plan_text(plan: Plan) -> str:
         f"{format_bytes(plan.predicted_peak_bytes)}"
         f"{format_change(plan.predicted_peak_before_bytes, plan.predicted_peak_bytes)}"
         f" at {plan.peak_phase} node {plan.peak_node}",
-        f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s, gap {plan.gap:.1%}",
+        f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s, gap {plan.gap:.1%}"
+        + (", compiled under Inductor's own rules" if plan.stock_inductor_rules else ""),
         f"  added step time  ~{format_seconds(plan.total_added_time_s)} (estimate"
         + (f": decisions ~{format_seconds(plan.added_time_s)}, rewrites ~{format_seconds(plan.rewrite_time_s)}"
            if plan.rewrite_time_s else "") + ")",
@@ -271,6 +272,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             library_workspace_bytes=int(data["library_workspace_bytes"]),
             graph_rewrites=tuple(str(r) for r in data["graph_rewrites"]),
             rewrite_time_s=float(data["rewrite_time_s"]),
+            stock_inductor_rules=bool(data.get("stock_inductor_rules", False)),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error
