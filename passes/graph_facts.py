@@ -147,6 +147,7 @@ _KIB = 1024
 # (backward 4x the input) is what 8-channel blocks give a 4-channel layer: on AVX-512 the same
 # layer's blocked copies are 4x each, and the backward holds two of them at once.
 _CONV_CHANNEL_BLOCK = 16
+_BF16_CONV_SCRATCH_PER_THREAD = 48 * _KIB
 
 
 def onednn_channel_block() -> int:
@@ -154,10 +155,9 @@ def onednn_channel_block() -> int:
     (AVX2). Read from ATen's CPU capability, capped by oneDNN's own ISA switch where it is set
     (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA, e.g. "AVX2": what tests use to model AVX2 CPUs)."""
     capped = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    if capped and capped.upper() != "ALL" and "512" not in capped and "AMX" not in capped.upper():
+    if capped and capped.upper() != "ALL" and "512" not in capped:
         return 8
     return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
-_BF16_CONV_SCRATCH_PER_THREAD = 48 * _KIB
 
 
 def _conv_workspace_guess(node: fx.Node) -> int:

@@ -42,7 +42,7 @@ def _counted_and_scratch(fn, inputs, layout):
 def _onednn_writes_past_its_scratchpad(c_in, kernel, stride, layout) -> bool:
     """oneDNN's 1x1 strided weight-gradient kernels on channels-last inputs with fewer channels
     than the block corrupt the heap (uxlfoundation/oneDNN#6035; seen with torch 2.13 on AVX2 at
-    1 thread and on AVX-512 at 2): those backwards are not run."""
+    1 thread and on AVX-512 at 2): those backwards are not run, below 16 channels on either ISA."""
     return layout != "contiguous" and kernel == 1 and stride > 1 and c_in < 16
 
 
