@@ -195,9 +195,23 @@ def _match(down: fx.Node) -> MlpBlock | None:
                     compute, cast_to=compute if {v.dtype for v in operands} != {compute} else None)
 
 
+def _nodes_of(block: MlpBlock) -> frozenset[str]:
+    """The nodes the rewrite replaces (and erases) for this MLP."""
+    return frozenset(n for n in (block.down, block.up, block.gate, block.activation_node, block.product) if n)
+
+
 def find_mlps(graph: fx.Graph) -> tuple[MlpBlock, ...]:
-    """The MLPs of a Dynamo graph that chunking would split into more than one chunk."""
-    return tuple(block for block in (_match(n) for n in graph.nodes if n.op == "call_function") if block is not None)
+    """The MLPs of a Dynamo graph that chunking would split into more than one chunk, no two
+    sharing a node: in a stack of linear -> activation layers every linear is both the down
+    projection of one match and the up projection of the next, and the rewrite erases the
+    nodes it replaces. The first match in graph order wins."""
+    blocks, taken = [], set()
+    for node in graph.nodes:
+        block = _match(node) if node.op == "call_function" else None
+        if block is not None and not (_nodes_of(block) & taken):
+            blocks.append(block)
+            taken |= _nodes_of(block)
+    return tuple(blocks)
 
 
 def chunk_mlps(gm: fx.GraphModule, max_chunks: int | None = None) -> tuple[fx.GraphModule, tuple[MlpBlock, ...]]:

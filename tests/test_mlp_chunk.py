@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from budget_helpers import budget_range, compile_under, grads
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import memcompile
@@ -229,3 +229,95 @@ def test_inductor_meets_a_budget_only_the_chunked_mlps_fit() -> None:
 def test_chunk_mlp_option_is_validated(value) -> None:
     with pytest.raises(ValueError, match="chunk_mlp="):
         memcompile.budget("1GB", chunk_mlp=value)
+
+
+class LayerStack(nn.Module):
+    """Linear layers chained at random: each followed by an activation or not, some gated (the
+    activation of one linear times another linear of the same input), some with a residual or a
+    second reader of their result. Consecutive linear -> activation -> linear layers overlap as
+    MLPs (each linear is the down projection of one and the up projection of the next)."""
+
+    _ACTS = {**_ACTIVATIONS, "tanh": torch.tanh, "none": None}
+
+    def __init__(self, width: int, layers: list[tuple[int, str, bool, str]]) -> None:
+        super().__init__()
+        self.specs = layers
+        self.linears, self.gates = nn.ModuleList(), nn.ModuleList()
+        d = width
+        for out, _, gated, _ in layers:
+            self.linears.append(nn.Linear(d, out))
+            self.gates.append(nn.Linear(d, out) if gated else nn.Identity())
+            d = out
+        self.head = nn.Linear(d, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = x.new_zeros(())
+        for linear, gate, (_, act, gated, reader) in zip(self.linears, self.gates, self.specs):
+            h = linear(x)
+            fn = self._ACTS[act]
+            h = fn(h) if fn is not None else h
+            if gated:
+                h = h * gate(x)
+            if reader == "residual" and h.shape == x.shape:
+                h = h + x
+            elif reader == "second":
+                extra = extra + h.mean()
+            x = h
+        return self.head(x).pow(2).mean() + extra
+
+
+@settings(max_examples=25, deadline=None)
+@given(width=st.sampled_from([8, 16]), tokens=st.sampled_from([64, 96, 128]), seed=st.integers(0, 2**16),
+       layers=st.lists(st.tuples(st.sampled_from([8, 16, 48, 64]), st.sampled_from(sorted(LayerStack._ACTS)),
+                                 st.booleans(), st.sampled_from(["none", "residual", "second"])),
+                       min_size=1, max_size=6),
+       max_chunks=st.sampled_from([None, 2]))
+@example(width=16, tokens=128, seed=0, layers=[(64, "gelu", False, "none")] * 4, max_chunks=None)
+@example(width=16, tokens=64, seed=1, layers=[(48, "silu", True, "none"), (16, "relu", False, "residual")] * 2,
+         max_chunks=2)
+def test_random_layer_stacks_chunk_without_crashing_and_keep_their_gradients(width, tokens, seed, layers,
+                                                                             max_chunks) -> None:
+    """Whatever the matcher accepts the rewrite takes: no two matches share a node, every match
+    becomes one op, and the chunked graph computes the same loss and gradients."""
+    torch.manual_seed(seed)
+    model = LayerStack(width, layers)
+    x = torch.randn(tokens, width)
+    gm = _captured(model, x)
+    found = find_mlps(gm.graph)
+    names = [n for b in found for n in (b.down, b.up, b.gate, b.activation_node, b.product) if n]
+    assert len(names) == len(set(names))
+    chunked, blocks = chunk_mlps(gm, max_chunks)
+    chunked.graph.lint()
+    assert len(blocks) == len(found)
+    assert sum("chunked_mlp" in str(n.target) for n in chunked.graph.nodes) == len(found)
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g, max_chunks)[0].forward)
+    got = grads(params, lambda: compiled(x))
+    torch._dynamo.reset()
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
+def test_a_stack_of_linear_gelu_layers_under_a_tiny_budget_raises_the_typed_error() -> None:
+    """Six linear -> GELU layers, two regions (issue 31): every linear matched twice as an MLP
+    once crashed the rewrite with a TypeError; now the budget's answer is the typed error."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = F.gelu(layer(x))
+            torch._dynamo.graph_break()
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(512, 256)
+    _, compiled = compile_under(model, 1000)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+        compiled(x)
+    assert info.value.min_feasible_bytes > 1000
+    torch.compiler.reset()
