@@ -8,6 +8,7 @@ else in the package.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -316,6 +317,11 @@ def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: flo
 def linear_ops() -> frozenset:
     """F.linear as Dynamo records it (its C binding, torch._C._nn.linear) and as users write it."""
     return frozenset({torch.nn.functional.linear, torch._C._nn.linear})
+
+
+def is_distributed_tensor(x: object) -> bool:
+    """A DTensor (FSDP2's sharded parameters): its global size is not this rank's memory."""
+    return isinstance(x, torch.Tensor) and hasattr(x, "_local_tensor") and hasattr(x, "_spec")
 
 
 def is_fake_tensor(x: object) -> bool:
@@ -810,3 +816,134 @@ def _inductor_peak_estimate(graph) -> tuple[tuple[int, ...], int]:
     except Exception:  # noqa: BLE001 - an estimate we only follow; without it every reuse is assumed
         return (), 0
     return tuple(int(b) for b in by_node), int(overall)
+
+
+# -- frames Dynamo gives up on ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EagerFrame:
+    """A frame Dynamo failed to compile and is about to run eagerly, uncompiled."""
+
+    name: str  # the function
+    location: str  # file:first line
+    reason: str  # Dynamo's one-line reason (its graph-break type, or the error's first line)
+
+
+# The arguments of the frame Dynamo is converting (while its graphs are compiled), or None.
+_FRAME_ARGUMENTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("memcompile_frame_arguments",
+                                                                               default=None)
+
+
+def compiling_frame_arguments() -> dict:
+    """The local variables (arguments) of the frame whose graphs are being compiled: a backend
+    called by Dynamo sees the module (`self`) and inputs the frame was called with. Empty
+    outside a Dynamo compile watched by watch_eager_frames."""
+    return _FRAME_ARGUMENTS.get() or {}
+
+
+def graph_ends_at_graph_break(gm: fx.GraphModule) -> bool:
+    """Dynamo compiled this graph at a graph break: the frame goes on after it (more graphs, or
+    eager code) before it returns."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    return bool(getattr(reason, "graph_break", False))
+
+
+def graph_input_ids(gm: fx.GraphModule) -> frozenset[int]:
+    """id() of the real tensors Dynamo lifted as this graph's inputs (parameters, buffers, the
+    frame's tensors), as it recorded them at capture."""
+    ids = set()
+    for node in gm.graph.nodes:
+        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        try:
+            example = arg.example if arg is not None else None  # a weak reference Dynamo keeps
+        except Exception:  # erased after the compile, or not a tensor input
+            example = None
+        if isinstance(example, torch.Tensor):
+            ids.add(id(example))
+    return frozenset(ids)
+
+
+# watcher(backend, torch.compile options, frame, the frame's arguments) -> None, or raises
+_EAGER_FRAME_WATCHERS: list[Callable[[Any, dict, EagerFrame, dict], None]] = []
+
+
+def watch_eager_frames(watcher: Callable[[Any, dict, EagerFrame, dict], None]) -> None:
+    """Call `watcher` for every frame Dynamo is about to run eagerly after failing to compile it
+    (a graph break inside a loop skips the whole frame, unsupported code, the recompile limit),
+    with the innermost backend the frame was compiled with and torch.compile's options for it.
+    An exception the watcher raises reaches the caller of the compiled function unchanged
+    instead. Where Dynamo raises anyway (fullgraph=True, error_on_graph_break) it is not called.
+
+    The user's torch.compile runs outside any memcompile code and, for a skipped frame, never
+    calls the backend, so this is the one place to notice: Dynamo's frame conversion is wrapped
+    once per process, a pass-through for every frame that compiles and for every watcher that
+    ignores other backends."""
+    if watcher in _EAGER_FRAME_WATCHERS:
+        return
+    _EAGER_FRAME_WATCHERS.append(watcher)
+    from torch._dynamo import convert_frame
+
+    convert = convert_frame.ConvertFrameAssert
+    if getattr(convert.__call__, "_memcompile_watched", False):
+        return
+    original = convert.__call__
+
+    @functools.wraps(original)
+    def watched(self, frame, *args, **kwargs):
+        arguments = dict(frame.f_locals)
+        token = _FRAME_ARGUMENTS.set(arguments)
+        try:
+            return original(self, frame, *args, **kwargs)
+        except Exception as error:
+            if _dynamo_runs_eagerly_after(self, error):
+                backend, options = _innermost_backend(self._torchdynamo_orig_backend)
+                record = _eager_frame(frame.f_code, error)
+                for each in list(_EAGER_FRAME_WATCHERS):
+                    each(backend, options, record, arguments)
+            raise
+        finally:
+            _FRAME_ARGUMENTS.reset(token)
+
+    watched._memcompile_watched = True
+    convert.__call__ = watched
+
+
+def _dynamo_runs_eagerly_after(convert: Any, error: Exception) -> bool:
+    """What torch/_dynamo/convert_frame.py ConvertFrame.__call__ does with a failed conversion:
+    soft failures (unsupported code, user errors), or every error under `suppress_errors`, run
+    the frame eagerly; fullgraph / export conversions and error_on_graph_break raise."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo import exc
+
+    if convert._one_graph or convert._export or convert._box.error_on_graph_break:
+        return False
+    if isinstance(error, (exc.ResumePrologueTracingError, exc.UncapturedHigherOrderOpError)):
+        return False
+    return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(dynamo_config.suppress_errors)
+
+
+def _innermost_backend(fn: Any) -> tuple[Any, dict]:
+    """The user's backend under Dynamo's wrappers (its debug wrapper, DDPOptimizer, the
+    torch.compile wrapper), and the options torch.compile passes it."""
+    for _ in range(8):
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and hasattr(owner, "backend_compile_fn"):  # DDPOptimizer.compile_fn
+            fn = owner.backend_compile_fn
+        elif hasattr(fn, "_torchdynamo_orig_backend"):  # WrapBackendDebug
+            fn = fn._torchdynamo_orig_backend
+        elif hasattr(fn, "compiler_fn") and isinstance(getattr(fn, "kwargs", None), dict):  # _TorchCompileWrapper
+            return fn.compiler_fn, dict(fn.kwargs.get("options") or {})
+        else:
+            break
+    return fn, {}
+
+
+def _eager_frame(code: Any, error: Exception) -> EagerFrame:
+    """Dynamo's graph-break type; where one graph break led to another (a break inside a loop),
+    the first one's too, and the user's line it happened at."""
+    first_line = (str(getattr(error, "msg", error)).strip().splitlines() or [type(error).__name__])[0]
+    kind = getattr(error, "gb_type", None) or first_line
+    reason = kind if first_line in (kind, "") else f"{kind}: {first_line}"
+    stack = getattr(error, "real_stack", None)
+    if stack:
+        reason += f", at {stack[-1].filename}:{stack[-1].lineno}"
+    return EagerFrame(code.co_name, f"{code.co_filename}:{code.co_firstlineno}", reason)

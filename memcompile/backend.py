@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -21,7 +22,8 @@ from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads
 from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
 from memcompile.plan_dump import write_dump_dir
-from memcompile.errors import InfeasibleBudgetError
+from memcompile.errors import (InfeasibleBudgetError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
+                               UnplannedFrameWarning)
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
 from memcompile.joint_plan import step_peaks as joint_step_peaks
 from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes, saved_bytes_of
@@ -111,6 +113,7 @@ class _Variant:
     plan: Plan | None
     inputs: InputBytes | None
     decisions: tuple | None = None  # (keep, recompute, stored) of its plan, when planned by memcompile
+    cautious: bool = False  # its least-peak plan, run while the rest of the step is not known
 
     def footprint(self, held_by_caller: tuple[bool, ...]) -> Footprint | None:
         if self.plan is None or self.inputs is None:
@@ -159,6 +162,14 @@ class _Region:
 
     def __init__(self, backend: "Backend", gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         self.backend = backend
+        # What Dynamo says of the step around this graph: more follows it in its frame (a graph
+        # break), its frame was called with activations (a block called inside a step), and the
+        # frame's modules' parameters (later regions of the first step take some of them).
+        arguments = tp.compiling_frame_arguments()
+        self.ends_at_graph_break = tp.graph_ends_at_graph_break(gm)
+        self.called_mid_step = _holds_activations(arguments)
+        self.own_leaf_ids = tp.graph_input_ids(gm)
+        backend.ledger.note_frame_leaves(_module_parameters(arguments))
         self.loss_heads: tuple[LossHead, ...] = ()
         self.mlps: tuple[MlpBlock, ...] = ()
         self.reasons: dict[str, str] = {}  # why "auto" applied a rewrite, by its attribute (for the plan)
@@ -189,12 +200,15 @@ class _Region:
     def compile_first(self) -> None:
         backend = self.backend
         position = backend.ledger.next_position()
-        outside = backend.ledger.outside_bytes(position)
+        outside = backend.ledger.outside_bytes(position, also_seen=self.own_leaf_ids)
         example_inputs, self._example_inputs = self._example_inputs, []
-        # Before any step has ended, a region after the first (or compiled ahead of its call
-        # behind another one, as DDPOptimizer compiles all its pieces at once) cannot know what
-        # later regions need: it holds as little as it can for the first step.
-        cautious = backend.in_first_step() and (position > 0 or backend.compiled_ahead > 0)
+        # Before any step has ended, a region that more of the step may follow (one after the
+        # first, one that ends at a graph break or was called with activations, or one compiled
+        # ahead of its call behind another, as DDPOptimizer compiles all its pieces at once)
+        # cannot know what later regions need: it holds as little as it can for the first step.
+        # A region alone in its step plans to the budget at once.
+        cautious = backend.in_first_step() and (position > 0 or backend.compiled_ahead > 0 or backend.cautious_first_step
+                                                or self.ends_at_graph_break or self.called_mid_step)
         kind = "least" if cautious else "outside"
 
         def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
@@ -375,7 +389,8 @@ class _Region:
         finally:
             _RECORD.reset(token)
         variant = _Variant(fn, record.plan, record.inputs,
-                           request.solution.decisions if request.solution is not None else None)
+                           request.solution.decisions if request.solution is not None else None,
+                           cautious=request.least_peak)
         if request.replanner is not None:
             self.replanner = request.replanner
         if len(self.variants) >= self._MAX_VARIANTS:
@@ -398,15 +413,41 @@ class _Region:
             backend = self.backend
             if outside <= 0 or not (backend.in_first_step() or backend.ledger.earlier_plans_stale(position)):
                 raise
-            # Earlier regions of this step run plans made before the later regions were known;
-            # the plan for the whole step replaces them once it has ended (and raises if none
-            # fits). Rather than stop a budget that may well fit then, run this step with the
-            # least this region can hold.
-            shortfall = error.min_feasible_bytes - self.backend.options.budget_bytes
-            log.warning("memcompile: this step may run %s over the budget while its regions are first "
-                        "compiled (earlier regions were planned before later ones existed); the step is "
-                        "planned as a whole once it has ended", format_bytes(shortfall))
+            if backend.step_ran_cautious(position):
+                # Every earlier call holds as little as it can: no plan of the step fits.
+                raise _for_the_step_so_far(error, position)
+            # Earlier calls of this step run plans made before this region was known (the first
+            # step's single regions, a region compiled after the step plan was chosen): the plan
+            # for the whole step replaces them once it has ended, but this step would run over.
+            backend.first_step_overrun(error, position)  # raises, unless on_first_step_overrun="warn"
+            shortfall = error.min_feasible_bytes - backend.options.budget_bytes
             return compile_for(max(0, outside - shortfall))
+
+    def _fit_to_position(self, position: int, variant: _Variant, outside: int) -> tuple[_Variant, int]:
+        """Before a call runs: the variant's peak plus what the rest of the step holds now (the
+        ledger) within the budget, or this region's least-peak plan for this position (a region
+        called again at a later position of the first step, as identical blocks are)."""
+        backend = self.backend
+        held = backend.ledger.outside_bytes(position)
+        plan = variant.plan
+        if plan is None:
+            return variant, outside
+        cautious_now = backend.cautious_first_step and backend.in_first_step() and not variant.cautious
+        if plan.predicted_peak_bytes + held <= backend.options.step_budget_bytes and not cautious_now:
+            return variant, outside
+        key = ("least", held, self._sizes_key())
+        fitted = self.variants.get(key)
+        if fitted is None:
+            log.info("memcompile: %s at step position %d would peak at %s with what the step holds then; "
+                     "planning its least peak for that position", plan.graph_id, position,
+                     format_bytes(plan.predicted_peak_bytes + held))
+            try:
+                fitted = self._plan_for_position(position, held, lambda o: self._recompile(
+                    ("least", o, self._sizes_key()), o, PlanRequest(least_peak=True)))
+            except InfeasibleBudgetError as error:
+                self.backend.errors.append(error)
+                raise
+        return fitted, held
 
     def _replan(self, position: int, outside: int) -> _Variant:
         try:
@@ -457,8 +498,11 @@ class _Region:
                     fingerprint = self.replanner.fingerprint if self.replanner is not None else None
                     variant = self._recompile(key, outside, PlanRequest(decisions=decisions, fingerprint=fingerprint))
                 return variant, outside
-            if self._current is not None:
+            cautious_after_first = self._current is not None and self._current[0].cautious \
+                and not self.backend.in_first_step()
+            if self._current is not None and not cautious_after_first:
                 return self._current  # no step plan yet (or a one-region step): keep what runs
+            # a least-peak plan of the first step, in a step now known to be this region alone
         outside = self.backend.ledger.outside_bytes(position)
         key = ("outside", outside, self._sizes_key())
         variant = self.variants.get(key) or self._replan(position, outside)
@@ -476,20 +520,23 @@ class _Region:
         backend, ledger = self.backend, self.backend.ledger
         backend.compiled_ahead = 0
         planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
-        position = ledger.begin_call()
-        try:
-            if position == 0:
-                backend.settle()
-            variant, outside = self._variant_for(position, planned_sizes != self.sizes)
-        except InfeasibleBudgetError:
-            self.sizes = planned_sizes  # smaller sizes keep running under their plan
-            ledger.cancel_call(position)
-            raise
-        self._current = (variant, outside)
         # Leaf inputs (parameters, the user's tensors) are held by the caller all step; the
         # others are activations of an earlier region. The same graph can be called with both
         # (one compiled block per position), so this is read at every call.
         held_by_caller = tuple(not isinstance(a, torch.Tensor) or a.grad_fn is None for a in args)
+        position = ledger.begin_call(id(a) for a, held in zip(args, held_by_caller)
+                                     if held and isinstance(a, torch.Tensor))
+        try:
+            if position == 0:
+                backend.settle()
+            variant, outside = self._variant_for(position, planned_sizes != self.sizes)
+            variant, outside = self._fit_to_position(position, variant, outside)
+        except (InfeasibleBudgetError, StepOverrunError):
+            self.sizes = planned_sizes  # smaller sizes keep running under their plan
+            ledger.abort_step()  # the step stops here; the next call starts it again
+            raise
+        backend.note_call(position, variant)
+        self._current = (variant, outside)
         footprint = variant.footprint(held_by_caller)
         if footprint is not None and ledger.record(position, footprint, outside, self):
             backend.warn_if_step_over_budget()
@@ -561,6 +608,7 @@ class Backend:
         self.options = options
         self.plans: list[Plan] = []
         self.errors: list[Exception] = []
+        self.eager_frames: list[tp.EagerFrame] = []  # frames Dynamo ran eagerly, outside every plan ("warn")
         self.ledger = StepLedger()
         self.compiles = 0  # graphs compiled (first compiles and re-plans)
         self.step_plans = 0  # times a plan for the whole step was chosen (settle)
@@ -569,6 +617,10 @@ class Backend:
         self._steps_ended = False
         self._graph_count = itertools.count()
         self._warned_over = 0
+        self._cautious_until = 0  # positions of this step before it all ran least-peak (or inference) plans
+        # After a StepOverrunError: every call of the first step runs its least-peak plan, so that
+        # the step, run again, fits wherever the whole step can.
+        self.cautious_first_step = False
         with _lock:
             self.id = next(_ids)
             _BACKENDS[self.id] = self
@@ -636,6 +688,41 @@ class Backend:
                  "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
                  choice.added_time_s * 1e3, choice.status)
 
+    def note_call(self, position: int, variant: _Variant) -> None:
+        """What the call at `position` runs: a least-peak plan or not (step_ran_cautious)."""
+        if position == 0:
+            self._cautious_until = 0
+        if self._cautious_until == position and (variant.cautious or variant.plan is None):
+            self._cautious_until = position + 1
+
+    def step_ran_cautious(self, position: int) -> bool:
+        """Every call of this step before `position` ran its least-peak plan: where the call at
+        `position` cannot fit even so, no plan of the step can (as far as the step is known)."""
+        return self._cautious_until >= position
+
+    def first_step_overrun(self, error: InfeasibleBudgetError, position: int) -> None:
+        """The call at `position` cannot fit beside what earlier calls of this step hold, which
+        run plans made before this region was known: raise StepOverrunError, or warn."""
+        shortfall = error.min_feasible_bytes - self.options.budget_bytes
+        message = (
+            f"memcompile: the call at position {position} of this step would run {format_bytes(shortfall)} over "
+            f"the budget of {format_bytes(self.options.budget_bytes)}: the regions called before it in this step "
+            "run plans made before it was known (a step's first run of new regions; a region compiled after the "
+            "plan for the whole step was chosen). The plan for the whole step, chosen once the step has ended, "
+            "would fit it if any does. Pass on_first_step_overrun=\"warn\" to memcompile.budget() to run this "
+            "step over the budget with a warning; or compile the model as one region (no graph break), or its "
+            "blocks one by one from the first call on, so that memcompile knows the step before it runs.")
+        if self.options.on_first_step_overrun == "raise":
+            overrun = StepOverrunError(
+                message + " Run the step again and memcompile, now knowing it has several regions, runs each at "
+                "its least peak until the step has ended once.", budget_bytes=self.options.budget_bytes,
+                needed_bytes=error.min_feasible_bytes)
+            self.errors.append(overrun)
+            self.cautious_first_step = True
+            raise overrun
+        log.warning("%s", message)
+        warnings.warn(message, StepOverrunWarning, stacklevel=2)
+
     def warn_if_step_over_budget(self) -> None:
         """Regions compiled during a step can make an earlier region's running plan too large for
         the rest of this step; the next step re-plans it. Say so rather than be silent."""
@@ -645,6 +732,25 @@ class Backend:
             log.warning("memcompile: while new regions are compiled, this step may peak at %s, over the budget of "
                         "%s; the step is planned as a whole once it has ended", format_bytes(peak),
                         format_bytes(self.options.step_budget_bytes))
+
+    def frame_runs_eagerly(self, frame: tp.EagerFrame) -> None:
+        """Dynamo gave up on a frame compiled with this backend, which would run uncompiled:
+        its memory is in no plan. Raise UnplannedFrameError (the default), or warn once per frame."""
+        message = (
+            f"memcompile: Dynamo could not compile {frame.name} ({frame.location}) and would run it eagerly, "
+            f"outside every memcompile plan, so the step's memory would not be bounded by the budget of "
+            f"{format_bytes(self.options.budget_bytes)}. Dynamo's reason: {frame.reason}. To fix it: move a "
+            "graph break out of the loop it is in, or remove it (torch.compile(..., fullgraph=True) names every "
+            "break); or compile the loop's body, block by block, with this backend; or pass "
+            "on_unplanned=\"warn\" to memcompile.budget() to run such frames eagerly, unplanned, with a warning.")
+        if self.options.on_unplanned == "raise":
+            error = UnplannedFrameError(message, frame=frame)
+            self.errors.append(error)
+            raise error
+        if frame not in self.eager_frames:
+            self.eager_frames.append(frame)
+            log.warning("%s", message)
+            warnings.warn(message, UnplannedFrameWarning, stacklevel=2)
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> Callable:
         partitioner = Partitioner(options, self.id)
@@ -686,3 +792,73 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"memcompile.budget({self.options.describe()})"
+
+
+def _holds_trainable_tensors(arguments: dict) -> bool:
+    """A frame whose arguments include a tensor or a module's parameter that requires grad: run
+    eagerly, its ops save activations for the backward (a frame of plain values holds nothing
+    past its return)."""
+    return any(v.requires_grad if isinstance(v, torch.Tensor) else any(p.requires_grad for p in v.parameters())
+               for v in _tensors_in(arguments))
+
+
+def _on_eager_frame(backend_fn: Any, compile_options: dict, frame: tp.EagerFrame, arguments: dict) -> None:
+    """tp.watch_eager_frames' watcher: frames of memcompile backends only (by object, or by name
+    through registration's resolver), training only (grad enabled, trainable tensors)."""
+    backend = backend_fn if isinstance(backend_fn, Backend) else None
+    resolve = getattr(backend_fn, "memcompile_backend", None)
+    if backend is None and callable(resolve):
+        try:
+            backend = resolve(compile_options)
+        except (TypeError, ValueError):
+            return  # bad options: the compiled graphs raise those at their first call
+    if backend is None or not torch.is_grad_enabled() or not _holds_trainable_tensors(arguments):
+        return
+    backend.frame_runs_eagerly(frame)
+
+
+# Installed when memcompile is imported: a skipped frame never reaches the backend, and this is
+# how its run outside the budget is noticed (see tp.watch_eager_frames).
+tp.watch_eager_frames(_on_eager_frame)
+
+
+def _for_the_step_so_far(error: InfeasibleBudgetError, position: int) -> InfeasibleBudgetError:
+    """A region's InfeasibleBudgetError, planned beside what the step's earlier calls hold at
+    their least: the smallest budget for the step as far as it is known."""
+    if position == 0:
+        return error
+    return InfeasibleBudgetError(
+        f"{error} (This is the smallest budget for the step's first {position + 1} region calls, each at its "
+        "least peak, with what the earlier ones hold; regions called later in the step may need more.)",
+        budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
+        contributors=error.contributors)
+
+
+def _tensors_in(arguments: dict, limit: int = 256):
+    """Tensors and modules among a frame's arguments, one level into lists, tuples and dicts."""
+    values = list(arguments.values())
+    for value in values[:limit]:
+        if isinstance(value, (torch.Tensor, torch.nn.Module)):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            values.extend(value[:32])
+        elif isinstance(value, dict):
+            values.extend(list(value.values())[:32])
+
+
+def _holds_activations(arguments: dict) -> bool:
+    """The frame was called with an activation (a tensor with an autograd history): it runs
+    inside a step, after other work that holds memory."""
+    return any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in _tensors_in(arguments))
+
+
+def _module_parameters(arguments: dict) -> dict[int, tuple[int, bool]]:
+    """id -> (bytes, has a gradient) of the parameters and buffers of the frame's modules."""
+    leaves: dict[int, tuple[int, bool]] = {}
+    for value in _tensors_in(arguments):
+        if isinstance(value, torch.nn.Module):
+            for tensor in itertools.chain(value.parameters(), value.buffers()):
+                # Sharded parameters (FSDP2's DTensors) are the user's reserve, not the step's.
+                if not (tp.is_fake_tensor(tensor) or tp.is_distributed_tensor(tensor)):
+                    leaves[id(tensor)] = (tensor.numel() * tensor.element_size(), tensor.requires_grad)
+    return leaves

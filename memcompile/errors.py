@@ -24,3 +24,53 @@ class InfeasibleBudgetError(ValueError):
 def _rebuild_infeasible(message, budget_bytes, min_feasible_bytes, contributors):
     return InfeasibleBudgetError(message, budget_bytes=budget_bytes,
                                  min_feasible_bytes=min_feasible_bytes, contributors=contributors)
+
+
+class UnplannedFrameError(RuntimeError):
+    """Dynamo could not compile a frame of a model compiled with memcompile and would run it
+    eagerly, outside every plan: the step's memory would not be bounded by the budget.
+
+    `frame` names the function (`name`, `location`) and Dynamo's `reason`. Fix the cause (a graph
+    break inside a loop is the usual one), or pass `on_unplanned="warn"` to `memcompile.budget()`
+    to run such frames eagerly with a warning.
+    """
+
+    def __init__(self, message: str, *, frame: object) -> None:
+        super().__init__(message)
+        self.frame = frame
+
+    def __reduce__(self):
+        return (_rebuild_unplanned, (str(self), self.frame))
+
+
+def _rebuild_unplanned(message, frame):
+    return UnplannedFrameError(message, frame=frame)
+
+
+class UnplannedFrameWarning(UserWarning):
+    """`on_unplanned="warn"`: a frame runs eagerly, outside the budget (see UnplannedFrameError)."""
+
+
+class StepOverrunError(RuntimeError):
+    """A call would take the step over the budget because regions called before it in the same
+    step run plans made before it was known (the first run of a step's regions, or a region
+    compiled after the plan for the whole step was chosen). `needed_bytes` is what the step
+    would need with this region at its least peak. `on_first_step_overrun="warn"` runs the step
+    anyway, with a StepOverrunWarning; the next step is planned as a whole.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, needed_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.needed_bytes = needed_bytes
+
+    def __reduce__(self):
+        return (_rebuild_overrun, (str(self), self.budget_bytes, self.needed_bytes))
+
+
+def _rebuild_overrun(message, budget_bytes, needed_bytes):
+    return StepOverrunError(message, budget_bytes=budget_bytes, needed_bytes=needed_bytes)
+
+
+class StepOverrunWarning(UserWarning):
+    """`on_first_step_overrun="warn"`: a step runs over the budget (see StepOverrunError)."""

@@ -18,6 +18,11 @@ hold nothing but parameters; backward: earlier inputs may already be freed). Reg
 identified by their position in the step's call order, not by compiled graph, so one compiled
 block called 8 times per step has 8 positions. Parameters used at two positions (weight tying)
 are counted twice: safe, pessimistic.
+
+Until a step has completed, regions not called yet are unknown. Their parameters are not: the
+frames Dynamo compiles hand it their modules (`self`), so the parameters of those modules that
+no call of the step has taken yet (a later region's, after a graph break) are counted as held,
+with their gradients, by every position of the first step (`note_frame_leaves`).
 """
 
 from __future__ import annotations
@@ -104,15 +109,20 @@ class StepLedger:
         self._watched: list[tuple[int, Callable[[], tuple[int, int]]]] = []
         self._position = 0
         self._backward_seen = False
+        # Before a step completes: parameters of the compiled frames' modules (id -> bytes, has a
+        # gradient), and the leaf inputs (by id) the calls of the step so far have taken.
+        self._frame_leaves: dict[int, tuple[int, bool]] = {}
+        self._seen: set[int] = set()
         self._lock = threading.Lock()
 
     # -- call tracking -------------------------------------------------------------------
-    def begin_call(self) -> int:
-        """The position of a region call that saves activations; starts a new step if a
-        backward ran since the previous call."""
+    def begin_call(self, leaf_ids: Iterable[int] = ()) -> int:
+        """The position of a region call that saves activations (its leaf inputs by id); starts a
+        new step if a backward ran since the previous call."""
         with self._lock:
             self._count_freed_leaves()
             if self._backward_seen:
+                self._seen = set()
                 steps = self._slots[:self._position]
                 self._completed = tuple(zip(self._regions[:self._position], steps)) \
                     if all(f is not None for f in steps) else None
@@ -121,6 +131,9 @@ class StepLedger:
                 del self._regions[self._position:]
                 self._position = 0
                 self._backward_seen = False
+            if self._position == 0:
+                self._seen = set()
+            self._seen.update(leaf_ids)
             position = self._position
             self._position += 1
             return position
@@ -135,6 +148,33 @@ class StepLedger:
         with self._lock:
             if self._position == position + 1:
                 self._position = position
+
+    def abort_step(self) -> None:
+        """A call of this step raised before it ran (the step stops there): the next call starts
+        the step again at position 0. What the calls so far recorded stays known."""
+        with self._lock:
+            self._position = 0
+            self._seen = set()
+            self._backward_seen = False
+
+    def note_frame_leaves(self, leaves: dict[int, tuple[int, bool]]) -> None:
+        """Parameters (id -> bytes, has a gradient) of a compiled frame's modules, which later
+        regions of the first step may take: counted as held until a step has completed."""
+        with self._lock:
+            if self._completed is None:
+                self._frame_leaves.update(leaves)
+
+    def unseen_leaf_bytes(self, also_seen: frozenset[int] = frozenset()) -> int:
+        """Before a step has completed: the noted frame parameters no call of this step has
+        taken yet (nor `also_seen`), with their gradients. 0 once a step has completed."""
+        with self._lock:
+            return self._unseen(also_seen)
+
+    def _unseen(self, also_seen: frozenset[int] = frozenset()) -> int:
+        if self._completed is not None:
+            return 0
+        return sum(nbytes * (2 if has_grad else 1) for i, (nbytes, has_grad) in self._frame_leaves.items()
+                   if i not in self._seen and i not in also_seen)
 
     def backward_ran(self) -> None:
         with self._lock:
@@ -193,17 +233,22 @@ class StepLedger:
                    for j in range(min(position, len(slots))))
 
     # -- budget --------------------------------------------------------------------------
-    def outside_bytes(self, position: int) -> int:
-        """Bytes other regions hold while the region at `position` runs (module docstring)."""
+    def outside_bytes(self, position: int, also_seen: frozenset[int] = frozenset()) -> int:
+        """Bytes other regions hold while the region at `position` runs (module docstring); in
+        the first step, also the frame parameters not taken yet (but for `also_seen`: the
+        compiling region's own)."""
         with self._lock:
             slots = list(self._slots)
-        return outside_bytes(slots, position)
+            unseen = self._unseen(also_seen)
+        return outside_bytes(slots, position) + unseen
 
     def predicted_step_peak(self) -> int:
-        """Max over positions of (own peak + what the others hold then), over the last known step."""
+        """Max over positions of (own peak + what the others hold then), over the last known step
+        (and, in the first step, the frame parameters no call has taken yet)."""
         with self._lock:
             slots = list(self._slots)
-        return predicted_step_peak(slots)
+            unseen = self._unseen()
+        return predicted_step_peak(slots) + (unseen if any(s is not None for s in slots) else 0)
 
     def footprints(self) -> tuple[Footprint | None, ...]:
         with self._lock:

@@ -43,6 +43,7 @@ def parse_bytes(value: object, *, name: str = "limit", allow_zero: bool = False)
 
 
 CODEGENS = ("inductor", "aot_eager")
+UNPLANNED_ACTIONS = ("raise", "warn")
 
 
 def _is_device_name(device: object) -> bool:
@@ -77,6 +78,12 @@ class Options:
     chunk_loss: bool | str = "auto"
     # Chunk transformer MLPs by token rows (passes/mlp_chunk.py): the same choices as chunk_loss.
     chunk_mlp: bool | str = "auto"
+    # A frame Dynamo cannot compile runs eagerly, outside every plan: "raise" (UnplannedFrameError
+    # at the call, before it runs) or "warn" (an UnplannedFrameWarning, then eager as Dynamo does).
+    on_unplanned: str = "raise"
+    # A call that cannot fit beside earlier calls of its step planned before it was known:
+    # "raise" (StepOverrunError before it runs) or "warn" (a StepOverrunWarning, then it runs over).
+    on_first_step_overrun: str = "raise"
 
     @property
     def step_budget_bytes(self) -> int:
@@ -96,7 +103,8 @@ class Options:
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
     known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps",
-             "chunk_loss", "chunk_mlp"}
+             "chunk_loss", "chunk_mlp", "on_unplanned",
+             "on_first_step_overrun"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
@@ -137,9 +145,20 @@ def make_options(limit: object, **overrides: object) -> Options:
         raise ValueError(f"chunk_mlp={chunk_mlp!r}: expected 'auto' (the default: compute linear -> activation -> "
                          "linear MLPs in token chunks when no plan fits without it or chunking is estimated faster), "
                          "True (always) or False (never)")
+    on_unplanned = overrides.pop("on_unplanned", "raise")
+    if on_unplanned not in UNPLANNED_ACTIONS:
+        raise ValueError(f"on_unplanned={on_unplanned!r}: expected 'raise' (the default: a frame Dynamo cannot compile "
+                         "stops the call with UnplannedFrameError, since its memory would not count against the "
+                         "budget) or 'warn' (run it eagerly with an UnplannedFrameWarning)")
+    on_overrun = overrides.pop("on_first_step_overrun", "raise")
+    if on_overrun not in UNPLANNED_ACTIONS:
+        raise ValueError(f"on_first_step_overrun={on_overrun!r}: expected 'raise' (the default: a call that cannot fit "
+                         "beside regions of its step planned before it was known stops with StepOverrunError) or "
+                         "'warn' (run that step over the budget with a StepOverrunWarning)")
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
                    None if offload == "auto" else offload, None if link is None else float(link),
-                   chunk_loss=chunk_loss, chunk_mlp=chunk_mlp)
+                   chunk_loss=chunk_loss, chunk_mlp=chunk_mlp, on_unplanned=on_unplanned,
+                   on_first_step_overrun=on_overrun)
 
 
 QUANTIZE_FORMATS = ("int8", "fp8", "bf16")

@@ -124,6 +124,9 @@ def forget_named_backends() -> None:
 # torch.compiler.reset() calls `reset()` on the backends Dynamo has cached, which for a backend
 # given by name forwards to the registered function.
 compile_by_name.reset = forget_named_backends  # type: ignore[attr-defined]
+# memcompile.backend's watcher of frames Dynamo runs eagerly finds the backend of a by-name
+# compile from torch.compile's options through this.
+compile_by_name.memcompile_backend = named_backend  # type: ignore[attr-defined]
 
 
 def _raising(error: Exception) -> Callable:

@@ -1,0 +1,44 @@
+"""Never over budget in silence (tests/step_sweep.py): random models with random graph breaks
+under random budgets either run within the budget from the first step on, with the reference's
+gradients, or raise a typed error before running over (and the floor it names is met)."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+import step_sweep
+from step_sweep import Case
+
+
+@st.composite
+def cases(draw) -> Case:
+    kind = draw(st.sampled_from(step_sweep.KINDS))
+    depth = draw(st.integers(1, 4))
+    breaks = tuple(sorted(draw(st.sets(st.integers(0, depth - 2), max_size=3)))) if depth > 1 else ()
+    return Case(
+        kind=kind, depth=depth,
+        width=draw(st.sampled_from({"mlp": [16, 32], "conv": [8, 12], "attention": [16, 32]}[kind])),
+        batch=draw(st.sampled_from({"mlp": [64, 128], "conv": [2, 4], "attention": [2, 4]}[kind])),
+        dropout=draw(st.sampled_from([0.0, 0.3])),
+        autocast=draw(st.booleans()) and step_sweep.bf16_autocast_supported(),
+        checkpoint=draw(st.sampled_from(step_sweep.CHECKPOINTS)),
+        breaks=breaks, break_in_loop=bool(breaks) and draw(st.booleans()),
+        budget_fraction=draw(st.floats(0.0, 1.0)), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(case=cases())
+# Per-block style: each block its own region, the first planned before the others existed.
+@example(case=Case("mlp", 4, 32, 256, 0.0, False, "none", (0, 1, 2), False, 0.55))
+# Dynamo skips a frame whose loop holds a graph break: the call raises, never runs unplanned.
+@example(case=Case("attention", 3, 16, 2, 0.3, False, "plain", (1,), True, 0.9))
+def test_random_steps_keep_the_budget_or_raise_a_typed_error_first(case: Case) -> None:
+    outcome = step_sweep.run_case(case, codegen="aot_eager")
+    assert outcome.outcome != "crash", outcome.note
+    assert outcome.ok, (case.describe(), outcome)
+    if outcome.outcome == "ran":
+        assert all(peak <= outcome.budget_bytes for peak in outcome.peaks)
+    if case.break_in_loop:
+        assert outcome.outcome == "unplanned"
