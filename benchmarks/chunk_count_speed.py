@@ -7,7 +7,7 @@ Each variant is memcompile with a budget nothing needs recomputing for (chunk_lo
 with passes.loss_head._CHUNK_LOGITS_OVER_HIDDEN set before its compile); the whole head is timed
 twice (its second copy: the noise). Each timed step follows an untimed one of the same variant
 (steady state; pareto.interleaved_medians). Writes benchmarks/results/chunk_count_speed_<model>.{json,md}.
-Session 12, GPT-2 small, 1 thread, two runs (an ad-hoc one of the same loop, then this script):
+GPT-2 small, 1 thread, two runs (an ad-hoc one of the same loop, then this script at a8f466b):
 8 chunks (2x) 1.050 / 1.037 of the whole head, 4 chunks (4x) 1.010 / 1.021, 2 chunks (8x)
 1.004 / 1.011; the whole head's second copy 1.009 / 1.014 (the noise).
 """
@@ -35,7 +35,7 @@ RESULTS = HERE / "results"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama", "bert"))
     ap.add_argument("--size", default="small")
     ap.add_argument("--rounds", type=int, default=30)

@@ -5,7 +5,7 @@
 Builds the model (benchmarks/hf_models.py, random weights), compiles it with
 memcompile.budget(--budget) and profiles the first forward and backward (the compile), then
 prints the cumulative time of memcompile's and Inductor's main stages. The figures it
-reproduces (session 15, under the profiler and beside a test run: inflated): Llama small at
+reproduces (at 604ca63, under the profiler and beside a test run: inflated): Llama small at
 9.91 MiB, first call 63 s, of it planning 51 s, 26 checks of candidate plans (Inductor
 schedules) 32 s, and the least-peak search of the graph with the loss head whole, which is
 computed only to be discarded for the chunked head's plan, 24.7 s.

@@ -1,15 +1,16 @@
 """Repeat the few variants that decide a pareto verdict, all in each of several processes.
 
-    python benchmarks/decisive_points.py --model llama --children 4 \\
-        --variants amb:0.8,amb:0.6,mc:10082053,mc:10389253 --tag _llama_s19
+    python benchmarks/decisive_points.py --model llama --children 5 \\
+        --variants amb:0.8,amb:0.6,mc:10082053,mc:10389253     # decisive_llama_small.*
 
 pareto.py runs one variant per child, so a variant's step ratio carries that child's luck (where
 the allocator puts its buffers, what else the machine runs): the same Llama small partition
-measured 0.97-1.05 in different children of pareto_small_s16, a spread as large as the 10%
-threshold's margins that decide issue 6's "lowest peak at <= 10% added step time". Here every child
-compiles the plain-Inductor baseline and every listed variant (each through its own code object,
-so Dynamo caches none of them for another; PyTorch's activation_memory_budget set only while its
-variant's first call partitions the graph; no compile cache), measures each one's peak, and times
+measured 0.97-1.05 in different children of one pareto run (benchmarks/results/pareto_small.md),
+a spread as large as the 10% threshold's margins that decide "lowest peak at <= 10% added step
+time". Here every child compiles the plain-Inductor baseline and every listed variant (each
+through its own code object, so Dynamo caches none of them for another; PyTorch's
+activation_memory_budget set only while its variant's first call partitions the graph; no compile
+cache), measures each one's peak, and times
 them in rounds: baseline, the variants in a rotated order, baseline again, each timed step after
 an untimed one of the same function (pareto.STEPS_PER_SWITCH). A variant's ratio in a child is the
 median of its steps over the median of both baselines' steps. Over the children: the mean ratio,
@@ -18,7 +19,8 @@ the noise floor.
 
 Variants: `amb:F` (Inductor, activation_memory_budget=F), `ckpt` (Inductor, per-block
 torch.utils.checkpoint), `mc:BYTES` (memcompile.budget(BYTES), lossless), `mc8:BYTES` (int8).
-Writes benchmarks/results/decisive{tag}.jsonl (one record per child) and decisive{tag}.md.
+Writes benchmarks/results/decisive{tag}.jsonl (one record per child), decisive{tag}.md and
+decisive{tag}_summary.json; the tag is _<model>_<size> unless --tag says otherwise.
 """
 
 from __future__ import annotations
@@ -144,13 +146,18 @@ def interval(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def default_tag(args: argparse.Namespace) -> str:
+    """The result files' suffix unless --tag says otherwise: decisive_llama_small.*"""
+    return f"_{args.model}_{args.size}"
+
+
 def report(recs: list[dict], args: argparse.Namespace) -> str:
     ok = [r for r in recs if r.get("status") == "ok"]
     lines = [f"# Decisive points: {args.model} {args.size}, {len(ok)} children x {args.steps} rounds",
              "",
              f"Command: `python benchmarks/decisive_points.py --model {args.model} --size {args.size} "
              f"--children {args.children} --steps {args.steps} --variants {args.variants}"
-             f"{' --tag ' + args.tag if args.tag else ''}`. Every child compiles the baseline and every variant; "
+             f"{' --tag ' + args.tag if args.tag != default_tag(args) else ''}`. Every child compiles the baseline and every variant; "
              "ratio = the variant's median step / the median of both baselines' steps, in the same child.",
              ""]
     noise = [r["noise_ratio"] for r in ok]
@@ -189,10 +196,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="timing rounds per child")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=5.0, help="memcompile solver time_limit_s")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", default=None, help="suffix of the result files (default: _<model>_<size>)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the .md from the .jsonl")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tag is None:
+        args.tag = default_tag(args)
     if args.child is not None:
         print(MARK + json.dumps(child(json.loads(args.child))), flush=True)
         return 0

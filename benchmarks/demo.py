@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -61,6 +62,7 @@ def train(cm, model, batches) -> list[float]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(2)
     x = make_input(BATCH, SEQ, D_MODEL, seed=1)
     target = make_target(BATCH, SEQ, D_MODEL, seed=2)

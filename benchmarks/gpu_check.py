@@ -363,7 +363,7 @@ def gpt_table(out, blocks: int, positions: tuple[float, ...], variants: list[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for gpu_check.jsonl")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--positions", default="0.5,0",

@@ -82,7 +82,7 @@ def _live_blocks_at_peak(prof) -> tuple[int, dict[int, tuple[int, str]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama", choices=hf_models.MODELS)
     ap.add_argument("--size", default="small")
     ap.add_argument("--budget", type=int, default=10**12)

@@ -8,6 +8,7 @@ working set. Writes benchmarks/results/mlp_chunk_cost.{json,md}.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import time
@@ -32,6 +33,7 @@ def _median_ms(fn, runs: int = 30) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows_out = []

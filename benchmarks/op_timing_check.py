@@ -5,7 +5,7 @@
 For each op (Llama small: batch 4, 128 tokens, hidden 128, 4 heads of 32, MLP 344), traced with
 make_fx: the roofline estimate (this CPU's measured profile), the timed estimate
 (cost_models/op_timing.py: the fastest of 4-31 runs), and the median of 30 runs timed here.
-Writes benchmarks/results/op_timing_check.{json,md}. The figures it reproduces (session 15, a
+Writes benchmarks/results/op_timing_check.{json,md}. The figures it reproduces (at 087d8c4, a
 quiet core): the causal attention's roofline is 0.46 of its median time alone (162 us against
 352; one more call inside a step added 508 us, step_profile.py), the timed estimate 0.97; the
 projections' rooflines are within 0.95-1.11 of theirs.
@@ -13,6 +13,7 @@ projections' rooflines are within 0.95-1.11 of theirs.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -53,6 +54,7 @@ def _median_s(op, args, runs: int = 30) -> float:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     profile = measure_cpu_profile()
     roofline = dataclasses.replace(profile, times_ops=False)
     rows = []

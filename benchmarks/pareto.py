@@ -1,7 +1,7 @@
 """Memory vs step time on Hugging Face models: memcompile side by side with PyTorch's own options.
 
     python benchmarks/pareto.py                          # gpt2 llama vit bert resnet, "small" (~25 min a model here)
-    python benchmarks/pareto.py --size tiny --models gpt2 --tag _tiny    # a smoke run (a few minutes)
+    python benchmarks/pareto.py --size tiny --models gpt2    # a smoke run (a few minutes): pareto_tiny.*
 
 Per model, one child process per variant (no compile cache, config or Dynamo state leaks):
   eager, eager + per-block checkpoint, plain Inductor, Inductor + per-block
@@ -20,7 +20,8 @@ Peak = memcompile.measure_peak (tensors live at the start: parameters, buffers, 
 grads set to None). Gradient error: every parameter against eager PyTorch (same weights, inputs).
 
 Writes benchmarks/results/pareto{tag}.jsonl (one record per child), pareto{tag}.md (tables and
-the acceptance checks) and pareto{tag}.png (memory vs step ratio per method; needs matplotlib).
+the acceptance checks), pareto{tag}_summary.json and pareto{tag}.png (memory vs step ratio per
+method; needs matplotlib); the tag is _<size> unless --tag says otherwise (pareto_small.*).
 """
 
 from __future__ import annotations
@@ -239,8 +240,8 @@ def run_child(spec: dict, args: argparse.Namespace) -> dict:
         return {**spec, "status": "timeout", "child_wall_s": time.perf_counter() - t0}
     wall = time.perf_counter() - t0
     # The 1-minute load average around the child: ~threads when the machine ran nothing else.
-    # Interleaving does not make the ratios immune to other work (session 11's run shared the
-    # machine with the test suite and its memcompile ratios came out higher than later quiet runs).
+    # Interleaving does not make the ratios immune to other work (a run that shared the machine
+    # with the test suite had higher memcompile ratios than later quiet runs).
     load = {"load_before": load_before, "load_after": os.getloadavg()[0]}
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
@@ -629,7 +630,7 @@ def main() -> int:
     ap.add_argument("--baseline-repeats", type=int, default=3,
                     help="plain-Inductor children per model (the noise between compiled copies)")
     ap.add_argument("--child-timeout", type=float, default=900.0)
-    ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--tag", default=None, help="suffix of the result files (default: _<size>, e.g. pareto_small.*)")
     ap.add_argument("--report-only", action="store_true", help="rebuild .md/.png from the .jsonl")
     ap.add_argument("--resume", action="store_true", help="reuse the records of an earlier run with the same tag")
     ap.add_argument("--resume-from", help="with --resume: more .jsonl files whose records may be reused")
@@ -638,6 +639,8 @@ def main() -> int:
     ap.add_argument("--inputs", help="with --report-only: comma-separated .jsonl files to merge (e.g. one run per model)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tag is None:
+        args.tag = f"_{args.size}"
     if args.child is None:
         if args.cache_dir:
             return parent(args)

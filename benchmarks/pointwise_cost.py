@@ -5,12 +5,12 @@
 Each op on a (size, size) float32 tensor: cost_models.node_cost.estimate_node_time_s (a roofline:
 FLOPs from torch.utils.flop_counter, which has no formula for pointwise ops, so bytes moved over
 the measured copy bandwidth) against the median eager time. Writes
-benchmarks/results/pointwise_cost.{json,md}. Session 11 (1 thread, 512 x 512, two runs): the
+benchmarks/results/pointwise_cost.{json,md}. At d107a80 (1 thread, 512 x 512, two runs): the
 model said 48.6 us for every op; mul measured 53-59 us, tanh 100-112 us, erf 167 us, the tanh
 GELU (one aten op here) 478-484 us: transcendental pointwise work is compute-bound on this CPU,
 so recomputing a GELU chain is priced several times too low (issue 6 notes). Inside a plan the
 solver charges recomputed ops that Inductor inlines less still (14-20 us each on GPT-2 small:
-the `recomputed` column of benchmarks/results/pareto_small_s11.jsonl).
+the `recomputed` column of the pareto.py records committed in c8686b0).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ OPS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=50)

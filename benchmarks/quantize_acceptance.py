@@ -88,10 +88,10 @@ def loss_curve(limit, steps, blocks, x, y, **options) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. for a run with MEMCOMPILE_FUSION_CHECK=1)")
+    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. _graph_order for a run with MEMCOMPILE_FUSION_CHECK=0)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     load_at_start = os.getloadavg()[0]

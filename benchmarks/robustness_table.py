@@ -12,6 +12,7 @@ benchmarks/results/robustness.{json,md}.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -142,6 +143,7 @@ def dynamic(name, arch, lengths, dynamic_flag):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     rows += graph_breaks("dense x4, 3 graph breaks", "dense", 4, 256, frozenset({0, 1, 2}), [0, 32768, 65536, 131072])
     rows += graph_breaks("attention x3, break after block 0", "attention", 3, 16, frozenset({0}), [0, 16384, 65536])

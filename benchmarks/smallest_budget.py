@@ -23,7 +23,7 @@ from models import WithMSELoss, make_gpt, make_input, make_target  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--codegen", default="aot_eager", choices=("aot_eager", "inductor"))

@@ -14,9 +14,9 @@ masks and layouts (contiguous; channels-last, traced contiguous and counted as I
 with ONEDNN_MAX_CPU_ISA=AVX2 an AVX-512 CPU allocates as an AVX2 one does. Channels-last strided
 1x1 backwards with < 16 input channels are not run (oneDNN writes past its scratchpad there:
 uxlfoundation/oneDNN#6035). Writes benchmarks/results/workspace_probe_<kind>[_<isa cap>].json.
-Session 20 (torch 2.13, AVX-512 EPYC): conv 500 draws, 0 under the count, AVX-512 and capped at
-AVX2 (seeds 11 and 21).
-Session 11 (torch 2.13, Xeon with AMX-BF16 and AVX512-FP16): gemm 0 of 1,480 shapes under the
+With the fit of 630d4e9 (torch 2.13, AVX-512 EPYC): conv 500 draws, 0 under the count, AVX-512 and
+capped at AVX2 (seeds 11 and 21).
+At acd48d9 (torch 2.13, Xeon with AMX-BF16 and AVX512-FP16): gemm 0 of 1,480 shapes under the
 count; 175 of the same 1,480 with the count before the skinny term (`git show
 e1f8546^:passes/graph_facts.py`, its kernel_workspace_bytes patched in for this module's), worst
 bf16 1x8192 @ 8192x1: 1,050,624 B measured, 106,502 counted. attention: counted - measured = 0 on
@@ -156,7 +156,7 @@ def conv_rows(draws: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=("gemm", "attention", "conv"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draws", type=int, default=None)

@@ -31,7 +31,7 @@ def _attention_flops(query, key, value, *, backward: bool) -> int:
 # FLOP formulas torch.utils.flop_counter has none for. Without them CPU attention was priced as a
 # memory-bound op: recomputing it in Llama small's backward was costed 8 us where a call ran
 # 0.46 ms (`python benchmarks/step_profile.py --model llama --budget 12467104` at 15a093a:
-# 1,820 us for 4 calls a step, benchmarks/results/step_profile_llama_12467104_at_15a093a.md).
+# 1,820 us for 4 calls a step; the profile is in commit eb5cdd4's benchmarks/results/).
 _FLOPS_TORCH_LACKS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
         lambda q, k, v, *rest, **kw: _attention_flops(q, k, v, backward=False),

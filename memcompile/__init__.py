@@ -31,7 +31,8 @@ def budget(limit: int | str, **options: object) -> Backend:
 
     limit: bytes (int) or a size string ("20GB" = 20e9, "20GiB" = 20*2**30, "1.5 GiB").
     options: reserve (bytes held outside the step, e.g. optimizer state), time_limit_s (solver),
-    codegen ("inductor" | "aot_eager"), device (cost profile), workers, seed.
+    codegen ("inductor" | "aot_eager"), device (cost profile), workers, seed, quantize (opt-in
+    lossy formats), offload, host_link_gbps, chunk_loss, chunk_mlp: see README "Options".
     """
     return Backend(make_options(limit, **options))
 
@@ -39,8 +40,8 @@ def budget(limit: int | str, **options: object) -> Backend:
 def dump(obj: object, format: str = "text", path: str | None = None) -> str:
     """The plans of a backend, a torch.compile result built with one, a plan or a list of plans.
 
-    format: "text" (report), "json" (schema_version 1; `from memcompile.plan_dump import load_plans`
-    reads it back) or "html" (self-contained picture of live memory before/after).
+    format: "text" (report), "json" (schema_version 2; `from memcompile.plan_dump import load_plans`
+    reads it back, and version 1 files too) or "html" (self-contained picture of live memory before/after).
     Writes to `path` too if given.
     """
     return _dump_impl(obj, format=format, path=path)

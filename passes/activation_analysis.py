@@ -162,8 +162,8 @@ def analyze_joint_graph(
     # A member of a forward op's tuple exists once that op has run in the forward: attention's
     # log-sum-exp, read by the backward only. The stock classification calls such a getitem
     # unclaimed, which made it unkeepable ("computed in backward only") and so every solver plan
-    # re-ran attention in the backward to get it (Llama small: two more attention kernels a step,
-    # benchmarks/results/step_profile_llama_12467104_at_15a093a.md).
+    # re-ran attention in the backward to get it (Llama small: two more attention kernels a step;
+    # `python benchmarks/step_profile.py --model llama --budget 12467104` at 15a093a).
     required_fw |= {n for n in joint.graph.nodes if is_getitem(n) and n.args[0] in required_fw}
     nodes = [n for n in joint.graph.nodes if n.op != "output"]
     primals = tuple(n for n in nodes if tp.is_primal(n))

@@ -54,10 +54,11 @@ _OPS_PER_CHUNK = 14
 _EXTRA_LOGITS_PASSES = 4
 # Measured in whole steps, the chunked head adds ~3x what the two terms above say: 0.71, 0.58 and
 # 1.02 ms (BERT, GPT-2, Llama small; 4 chunks of 128 x 2048, 1 thread) where they say 0.33
-# (benchmarks/results/chunk_loss_cost_s20.md), and BERT at PyTorch's 0.8 partition's peak chunked
+# (benchmarks/results/chunk_loss_cost.md), and BERT at PyTorch's 0.8 partition's peak chunked
 # its head for 0.30 ms estimated against 0.33 ms of recomputation: 1.033x the step where that
-# partition ran 0.999x (decisive_bert_small_asfast_s20). Scaled to the worst of the three: where
-# the estimates are close the head stays whole, and a stock partition that fits is kept.
+# partition ran 0.999x (benchmarks/decisive_points.py at 53e5292; docs/decisions.md). Scaled to
+# the worst of the three: where the estimates are close the head stays whole, and a stock
+# partition that fits is kept.
 _STEP_COST_OVER_MODEL = 3.0
 
 
