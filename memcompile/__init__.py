@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from memcompile.backend import Backend
 from memcompile.plan_dump import dump as _dump_impl
-from memcompile.errors import (InfeasibleBudgetError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
+from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
                                UnplannedFrameWarning)
 from memcompile.measure import PeakMeasurement, measure_peak
 from memcompile.options import Options, make_options, parse_bytes
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "Decision", "InfeasibleBudgetError", "Options", "PeakMeasurement", "Plan",
-    "StepOverrunError", "StepOverrunWarning", "UnplannedFrameError", "UnplannedFrameWarning", "budget", "dump", "measure_peak", "parse_bytes",
+    "PlanningFailedError", "StepOverrunError", "StepOverrunWarning", "UnplannedFrameError", "UnplannedFrameWarning", "budget", "dump", "measure_peak", "parse_bytes",
     "MissingBudgetError", "UnsupportedModeError", "last_named_backend", "named_backend",  # backend="memcompile"
 ]
 

@@ -24,6 +24,7 @@ from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.compile_utils import raise_getitems as _raise_getitems
 from torch._inductor import config as _inductor_config
 from torch._inductor.compile_fx import compile_fx as _compile_fx
+from torch._inductor.compile_fx import compile_fx_inner as _compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn as _CustomPartitionerFn
 from torch._inductor.decomposition import select_decomp_table as _select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
@@ -351,13 +352,23 @@ def caches_disabled():
 
 
 def compile_with_inductor(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn,
+    on_inference: Callable[[fx.GraphModule], None] | None = None,
 ) -> Callable:
-    """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in."""
+    """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in;
+    `on_inference` sees an inference graph (AOTAutograd's, before codegen), which no
+    partitioner does."""
     install_fusion_rules()
     install_reuse_rule()
+
+    def inner_compile(graph, inputs, **kwargs):
+        if kwargs.get("is_inference") and on_inference is not None:
+            on_inference(graph)
+        return _compile_fx_inner(graph, inputs, **kwargs)
+
     with caches_disabled():
-        return _compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                           config_patches={"custom_partitioner_fn": partitioner})
 
 
 def _boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any) -> Callable:
@@ -372,13 +383,21 @@ def _boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any) -> Callable:
 
 
 def compile_with_aot_eager(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], partition_fn: Callable
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partition_fn: Callable,
+    on_inference: Callable[[fx.GraphModule], None] | None = None,
 ) -> Callable:
-    """AOTAutograd + our partitioner, graphs run by the FX interpreter (fast tests, no codegen)."""
+    """AOTAutograd + our partitioner, graphs run by the FX interpreter (fast tests, no codegen);
+    `on_inference` as for compile_with_inductor."""
+
+    def inference_compiler(graph, inputs):
+        if on_inference is not None:
+            on_inference(graph)
+        return _boxed_interpreter(graph, inputs)
+
     backend = _aot_autograd(
         fw_compiler=_boxed_interpreter,
         bw_compiler=_boxed_interpreter,
-        inference_compiler=_boxed_interpreter,
+        inference_compiler=inference_compiler,
         partition_fn=partition_fn,
         decompositions=_select_decomp_table(),
     )

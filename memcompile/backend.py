@@ -22,7 +22,7 @@ from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads
 from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
 from memcompile.plan_dump import write_dump_dir
-from memcompile.errors import (InfeasibleBudgetError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
+from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
                                UnplannedFrameWarning)
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
 from memcompile.joint_plan import step_peaks as joint_step_peaks
@@ -30,7 +30,7 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options
 from memcompile.plan import Plan, format_bytes
 from memcompile.plan_cache import source_hash
-from memcompile.planner import NoSolverPlanFits, PlanRequest, Replanner, plan_joint_graph
+from memcompile.planner import NoSolverPlanFits, PlanRequest, Replanner, plan_joint_graph, predicted_inference_peak
 from memcompile.sizes import planning_sizes, planning_sizes_now
 
 log = logging.getLogger("memcompile")
@@ -51,6 +51,7 @@ class _CompileRecord:
     request: PlanRequest | None = None  # what the region asks of the planner (and gets back)
     graph_rewrites: tuple[str, ...] = ()  # what the region changed in its graph before compiling
     rewrite_time_s: float = 0.0  # what those changes are estimated to add to the step by themselves
+    inference_peak_bytes: int | None = None  # an inference graph's predicted peak (no partitioner runs)
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -167,6 +168,7 @@ class _Region:
         # frame's modules' parameters (later regions of the first step take some of them).
         arguments = tp.compiling_frame_arguments()
         self.ends_at_graph_break = tp.graph_ends_at_graph_break(gm)
+        self.returns_a_loss = _returns_a_loss(gm)
         self.called_mid_step = _holds_activations(arguments)
         self.own_leaf_ids = tp.graph_input_ids(gm)
         backend.ledger.note_frame_leaves(_module_parameters(arguments))
@@ -193,6 +195,7 @@ class _Region:
         self._current: tuple[_Variant, int] | None = None  # what it ran last, and the outside planned for
         self._example_inputs = list(example_inputs)  # only until the first compile
         self._first: _Variant | None = None
+        self.followed_in_first_step = False
 
     def _sizes_key(self) -> tuple:
         return tuple(sorted((str(k), v) for k, v in self.sizes.items()))
@@ -203,12 +206,16 @@ class _Region:
         outside = backend.ledger.outside_bytes(position, also_seen=self.own_leaf_ids)
         example_inputs, self._example_inputs = self._example_inputs, []
         # Before any step has ended, a region that more of the step may follow (one after the
-        # first, one that ends at a graph break or was called with activations, or one compiled
-        # ahead of its call behind another, as DDPOptimizer compiles all its pieces at once)
-        # cannot know what later regions need: it holds as little as it can for the first step.
-        # A region alone in its step plans to the budget at once.
-        cautious = backend.in_first_step() and (position > 0 or backend.compiled_ahead > 0 or backend.cautious_first_step
-                                                or self.ends_at_graph_break or self.called_mid_step)
+        # first; one that ends at a graph break, returns no loss or was called with activations,
+        # as blocks compiled one by one are; one compiled ahead of its call behind another, as
+        # DDPOptimizer compiles all its pieces) cannot know what later regions need: it holds as
+        # little as it can for the first step, and is re-planned once the step is known. A region
+        # that computes the step's loss from the step's inputs plans to the budget at once.
+        cautious = backend.in_first_step() and (
+            position > 0 or backend.compiled_ahead > 0 or self.ends_at_graph_break
+            or self.called_mid_step or not self.returns_a_loss)
+        cautious = cautious or backend.cautious_now()
+        self.followed_in_first_step = cautious  # more of the first step may follow it
         kind = "least" if cautious else "outside"
 
         def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
@@ -220,6 +227,11 @@ class _Region:
         defer = not cautious and outside <= 0 and bool(self._pending_rewrites())
         try:
             self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
+        except StepOverrunError:
+            # Not this region's own limit (earlier calls hold too much): it plans at its call,
+            # which raises the error where the user sees it, and plans again if the step is run again.
+            backend.compiled_ahead += 1
+            return
         except NoSolverPlanFits:
             self._first = self._plan_rewritten(position, outside, compile_for, whole_error=None, coarse=not cautious)
         except InfeasibleBudgetError as error:
@@ -388,6 +400,8 @@ class _Region:
                 fn = self.backend.compile_graph(gm, example_inputs, options)
         finally:
             _RECORD.reset(token)
+        if record.inference_peak_bytes is not None:
+            _check_inference_peak(record.inference_peak_bytes, options)
         variant = _Variant(fn, record.plan, record.inputs,
                            request.solution.decisions if request.solution is not None else None,
                            cautious=request.least_peak)
@@ -411,11 +425,12 @@ class _Region:
             return compile_for(outside)
         except InfeasibleBudgetError as error:
             backend = self.backend
+            if backend.in_first_step() and (position > 0 or self.followed_in_first_step) and error.whole_step:
+                error = _for_the_step_so_far(error, position)  # later regions are not known yet
             if outside <= 0 or not (backend.in_first_step() or backend.ledger.earlier_plans_stale(position)):
-                raise
+                raise error
             if backend.step_ran_cautious(position):
-                # Every earlier call holds as little as it can: no plan of the step fits.
-                raise _for_the_step_so_far(error, position)
+                raise error  # every earlier call holds as little as it can: no plan of the step fits
             # Earlier calls of this step run plans made before this region was known (the first
             # step's single regions, a region compiled after the step plan was chosen): the plan
             # for the whole step replaces them once it has ended, but this step would run over.
@@ -423,36 +438,47 @@ class _Region:
             shortfall = error.min_feasible_bytes - backend.options.budget_bytes
             return compile_for(max(0, outside - shortfall))
 
-    def _fit_to_position(self, position: int, variant: _Variant, outside: int) -> tuple[_Variant, int]:
+    def _fit_to_position(self, position: int, variant: _Variant, outside: int,
+                         held_grads: int = 0) -> tuple[_Variant, int]:
         """Before a call runs: the variant's peak plus what the rest of the step holds now (the
-        ledger) within the budget, or this region's least-peak plan for this position (a region
-        called again at a later position of the first step, as identical blocks are)."""
+        ledger) and the gradients its inputs already have (accumulated over micro-steps, which
+        its plan did not count) within the budget; else this region's plan for that (a region
+        called again at a later position of the first step, as identical blocks are, plans its
+        least peak). Where no plan fits, InfeasibleBudgetError before the call runs."""
         backend = self.backend
-        held = backend.ledger.outside_bytes(position)
+        held = backend.ledger.outside_bytes(position) + held_grads
         plan = variant.plan
         if plan is None:
             return variant, outside
-        cautious_now = backend.cautious_first_step and backend.in_first_step() and not variant.cautious
+        cautious_now = backend.cautious_now() and not variant.cautious
         if plan.predicted_peak_bytes + held <= backend.options.step_budget_bytes and not cautious_now:
             return variant, outside
-        key = ("least", held, self._sizes_key())
+        least = backend.in_first_step() or variant.cautious or backend.cautious_now()
+        key = ("least" if least else "outside", held, self._sizes_key())
         fitted = self.variants.get(key)
         if fitted is None:
             log.info("memcompile: %s at step position %d would peak at %s with what the step holds then; "
-                     "planning its least peak for that position", plan.graph_id, position,
-                     format_bytes(plan.predicted_peak_bytes + held))
+                     "planning it for that", plan.graph_id, position, format_bytes(plan.predicted_peak_bytes + held))
             try:
                 fitted = self._plan_for_position(position, held, lambda o: self._recompile(
-                    ("least", o, self._sizes_key()), o, PlanRequest(least_peak=True)))
+                    ("least" if least else "outside", o, self._sizes_key()), o, PlanRequest(least_peak=least)))
             except InfeasibleBudgetError as error:
+                if held_grads:
+                    error = InfeasibleBudgetError(
+                        f"{error} (It counts the {format_bytes(held_grads)} of gradients this call's inputs already "
+                        "hold: gradients accumulated over micro-steps live from the step's start.)",
+                        budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
+                        contributors=error.contributors)
                 self.backend.errors.append(error)
-                raise
+                raise error
         return fitted, held
 
     def _replan(self, position: int, outside: int) -> _Variant:
+        least = self.backend.cautious_now()
+        kind = "least" if least else "outside"
         try:
             return self._plan_for_position(position, outside, lambda o: self._recompile(
-                ("outside", o, self._sizes_key()), o, PlanRequest()))
+                (kind, o, self._sizes_key()), o, PlanRequest(least_peak=least)))
         except InfeasibleBudgetError as error:
             self.backend.errors.append(error)
             raise
@@ -510,8 +536,8 @@ class _Region:
         return variant, outside
 
     def __call__(self, *args: Any) -> Any:
-        latest = self._current[0] if self._current else next(reversed(self.variants.values()))
-        if not torch.is_grad_enabled() or latest.plan is None:
+        latest = self._current[0] if self._current else next(reversed(self.variants.values()), None)
+        if latest is not None and (not torch.is_grad_enabled() or latest.plan is None):
             return latest.fn(*args)  # inference graphs are not planned: nothing to re-plan
         if any(tp.is_fake_tensor(a) for a in args):
             # DDPOptimizer runs each compiled piece on fake tensors while it compiles the next
@@ -524,13 +550,14 @@ class _Region:
         # others are activations of an earlier region. The same graph can be called with both
         # (one compiled block per position), so this is read at every call.
         held_by_caller = tuple(not isinstance(a, torch.Tensor) or a.grad_fn is None for a in args)
+        held_grads = _accumulated_grad_bytes(args, held_by_caller)
         position = ledger.begin_call(id(a) for a, held in zip(args, held_by_caller)
                                      if held and isinstance(a, torch.Tensor))
         try:
             if position == 0:
                 backend.settle()
             variant, outside = self._variant_for(position, planned_sizes != self.sizes)
-            variant, outside = self._fit_to_position(position, variant, outside)
+            variant, outside = self._fit_to_position(position, variant, outside, held_grads)
         except (InfeasibleBudgetError, StepOverrunError):
             self.sizes = planned_sizes  # smaller sizes keep running under their plan
             ledger.abort_step()  # the step stops here; the next call starts it again
@@ -538,6 +565,8 @@ class _Region:
         backend.note_call(position, variant)
         self._current = (variant, outside)
         footprint = variant.footprint(held_by_caller)
+        if footprint is not None and held_grads:
+            footprint = dataclasses.replace(footprint, held_grads_bytes=held_grads)
         if footprint is not None and ledger.record(position, footprint, outside, self):
             backend.warn_if_step_over_budget()
         if footprint is not None and variant.inputs is not None and len(args) == len(variant.inputs.nbytes):
@@ -618,9 +647,9 @@ class Backend:
         self._graph_count = itertools.count()
         self._warned_over = 0
         self._cautious_until = 0  # positions of this step before it all ran least-peak (or inference) plans
-        # After a StepOverrunError: every call of the first step runs its least-peak plan, so that
-        # the step, run again, fits wherever the whole step can.
-        self.cautious_first_step = False
+        # After a StepOverrunError: the number of steps completed then. Until one more completes,
+        # every call runs its least-peak plan, so that the step, run again, fits if any plan does.
+        self._cautious_while: int | None = None
         with _lock:
             self.id = next(_ids)
             _BACKENDS[self.id] = self
@@ -647,7 +676,7 @@ class Backend:
         if completed is None:
             return
         self._steps_ended = True
-        shape = tuple((region, f.params_bytes, f.inputs_bytes, f.grads_bytes) for region, f in completed)
+        shape = tuple((region, f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes) for region, f in completed)
         if shape == self._settled:
             return
         regions = list(dict.fromkeys(region for region, _ in completed))
@@ -658,7 +687,7 @@ class Backend:
             return
         menus = [region.plan_options() for region in regions]
         options = [[option for option, _ in menu] for menu in menus]
-        positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes)
+        positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)
                      for region, f in completed]
         budget = self.options.step_budget_bytes
         choice = choose_joint(positions, options, budget)
@@ -695,6 +724,11 @@ class Backend:
         if self._cautious_until == position and (variant.cautious or variant.plan is None):
             self._cautious_until = position + 1
 
+    def cautious_now(self) -> bool:
+        """A StepOverrunError stopped this step shape's run: run every call at its least peak
+        until a step has completed."""
+        return self._cautious_while is not None and self._cautious_while == self.ledger.steps_completed()
+
     def step_ran_cautious(self, position: int) -> bool:
         """Every call of this step before `position` ran its least-peak plan: where the call at
         `position` cannot fit even so, no plan of the step can (as far as the step is known)."""
@@ -718,7 +752,7 @@ class Backend:
                 "its least peak until the step has ended once.", budget_bytes=self.options.budget_bytes,
                 needed_bytes=error.min_feasible_bytes)
             self.errors.append(overrun)
-            self.cautious_first_step = True
+            self._cautious_while = self.ledger.steps_completed()
             raise overrun
         log.warning("%s", message)
         warnings.warn(message, StepOverrunWarning, stacklevel=2)
@@ -754,13 +788,19 @@ class Backend:
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> Callable:
         partitioner = Partitioner(options, self.id)
+
+        def on_inference(graph: fx.GraphModule) -> None:
+            record = _RECORD.get()
+            if record is not None:
+                record.inference_peak_bytes = predicted_inference_peak(graph)
+
         if options.codegen == "inductor":
-            return tp.compile_with_inductor(gm, example_inputs, partitioner)
+            return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference)
 
         def partition_fn(joint, joint_inputs, **kwargs):
             return partitioner(joint, joint_inputs, **kwargs)
 
-        return tp.compile_with_aot_eager(gm, example_inputs, partition_fn)
+        return tp.compile_with_aot_eager(gm, example_inputs, partition_fn, on_inference)
 
     def reserve_library_workspace(self, example_inputs: Sequence[Any]) -> None:
         """Count the matmul library's workspaces (cuBLAS on CUDA: 2 x 32 MiB on an H200, measured
@@ -777,7 +817,7 @@ class Backend:
         region = _Region(self, gm, example_inputs)
         try:
             region.compile_first()
-        except InfeasibleBudgetError as error:
+        except (InfeasibleBudgetError, PlanningFailedError) as error:
             # Raised from the compiled callable so the user catches our type, not Dynamo's
             # wrapper; every call raises, so the step never runs over budget.
             self.errors.append(error)
@@ -825,13 +865,11 @@ tp.watch_eager_frames(_on_eager_frame)
 def _for_the_step_so_far(error: InfeasibleBudgetError, position: int) -> InfeasibleBudgetError:
     """A region's InfeasibleBudgetError, planned beside what the step's earlier calls hold at
     their least: the smallest budget for the step as far as it is known."""
-    if position == 0:
-        return error
     return InfeasibleBudgetError(
-        f"{error} (This is the smallest budget for the step's first {position + 1} region calls, each at its "
+        f"{error} (This is the smallest budget for the step's first {position + 1} region call(s), each at its "
         "least peak, with what the earlier ones hold; regions called later in the step may need more.)",
         budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
-        contributors=error.contributors)
+        contributors=error.contributors, whole_step=False)
 
 
 def _tensors_in(arguments: dict, limit: int = 256):
@@ -862,3 +900,43 @@ def _module_parameters(arguments: dict) -> dict[int, tuple[int, bool]]:
                 if not (tp.is_fake_tensor(tensor) or tp.is_distributed_tensor(tensor)):
                     leaves[id(tensor)] = (tensor.numel() * tensor.element_size(), tensor.requires_grad)
     return leaves
+
+
+def _check_inference_peak(peak: int, options: Options) -> None:
+    """An inference graph (no_grad, inference_mode, frozen parameters) runs no plan: it fits the
+    budget as it is (its predicted peak, every value a buffer freed after its last reader), or
+    the call raises before running. A chunked loss head or MLP of a training plan does not
+    apply to it: its logits are whole."""
+    need = peak + options.reserve_bytes
+    if need <= options.budget_bytes:
+        return
+    raise InfeasibleBudgetError(
+        f"memcompile: this inference graph (no gradients: torch.no_grad, inference_mode or frozen parameters) is "
+        f"predicted to peak at {format_bytes(need)}, over the budget of {format_bytes(options.budget_bytes)} "
+        f"({options.budget_bytes} bytes{options.reserve_text()}); memcompile plans training steps only, so the "
+        f"smallest budget for it is {format_bytes(need)} (min_feasible_bytes={need}). Raise the budget, or run "
+        "inference with a smaller batch.", budget_bytes=options.budget_bytes, min_feasible_bytes=need)
+
+
+def _returns_a_loss(gm: fx.GraphModule) -> bool:
+    """The graph returns a scalar that requires grad: a loss, from which the step's backward
+    starts (a graph returning only activations is followed by more of the step)."""
+    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    values = output.args[0] if output is not None else ()
+    for value in (values if isinstance(values, (list, tuple)) else (values,)):
+        fake = value.meta.get("example_value") if isinstance(value, fx.Node) else None
+        if isinstance(fake, torch.Tensor) and fake.dim() == 0 and fake.requires_grad and fake.is_floating_point():
+            return True
+    return False
+
+
+def _accumulated_grad_bytes(args: Sequence[Any], held_by_caller: Sequence[bool]) -> int:
+    """Bytes of the gradients this call's leaf inputs already have (gradient accumulation: the
+    step starts with them; a plan counts gradients from the backward on only)."""
+    seen, total = set(), 0
+    for a, held in zip(args, held_by_caller):
+        grad = a.grad if held and isinstance(a, torch.Tensor) and a.requires_grad else None
+        if grad is not None and id(grad) not in seen:
+            seen.add(id(grad))
+            total += grad.numel() * grad.element_size()
+    return total

@@ -7,23 +7,27 @@ class InfeasibleBudgetError(ValueError):
     """No plan keeps the step's peak under the budget.
 
     `min_feasible_bytes` is the smallest budget for which memcompile found a plan (a raise of the
-    budget to at least this, or a smaller batch/model, is what to do).
+    budget to at least this, or a smaller batch/model, is what to do). `whole_step` is False when
+    it was raised in the first step of several compiled regions before the later ones were seen:
+    then it is the smallest budget for the regions seen so far, and a later one may need more.
     """
 
     def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int,
-                 contributors: tuple[tuple[str, int], ...] = ()) -> None:
+                 contributors: tuple[tuple[str, int], ...] = (), whole_step: bool = True) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.contributors = contributors
+        self.whole_step = whole_step
 
     def __reduce__(self):
-        return (_rebuild_infeasible, (str(self), self.budget_bytes, self.min_feasible_bytes, self.contributors))
+        return (_rebuild_infeasible, (str(self), self.budget_bytes, self.min_feasible_bytes, self.contributors,
+                                      self.whole_step))
 
 
-def _rebuild_infeasible(message, budget_bytes, min_feasible_bytes, contributors):
-    return InfeasibleBudgetError(message, budget_bytes=budget_bytes,
-                                 min_feasible_bytes=min_feasible_bytes, contributors=contributors)
+def _rebuild_infeasible(message, budget_bytes, min_feasible_bytes, contributors, whole_step=True):
+    return InfeasibleBudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=min_feasible_bytes,
+                                 contributors=contributors, whole_step=whole_step)
 
 
 class UnplannedFrameError(RuntimeError):
@@ -74,3 +78,9 @@ def _rebuild_overrun(message, budget_bytes, needed_bytes):
 
 class StepOverrunWarning(UserWarning):
     """`on_first_step_overrun="warn"`: a step runs over the budget (see StepOverrunError)."""
+
+
+class PlanningFailedError(RuntimeError):
+    """memcompile could not plan a graph (a bug, or an op its passes cannot read), and PyTorch's
+    own partition, its fallback, is not predicted within the budget. `on_unplanned="warn"` runs
+    that partition anyway, with a warning. The original error is the `__cause__`."""

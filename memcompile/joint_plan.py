@@ -11,7 +11,9 @@ own peak, saved bytes, added time) the joint choice is
     minimise   sum over positions p of added_time(o(region(p)))
     subject to own_peak(o(region(p))) + fixed(p) + sum_{j < p} saved(o(region(j))) <= budget  for every p
 
-where fixed(p) = sum_{j != p} params_j + sum_{j < p} inputs_j + sum_{j > p} grads_j. One compiled
+where fixed(p) = sum_{j != p} params_j + sum_{j < p} inputs_j + sum_{j > p} grads_j + sum_{j <= p} held_j
+(held: gradients accumulated before the step, live from its start; for j > p they are part of
+grads_j, the tensors that backward adds into). One compiled
 region may be called at several positions (identical blocks share a graph): one option then
 serves all of them. Solved exactly with CP-SAT (one worker, fixed seed: deterministic); a few
 regions with a few options each is a tiny model.
@@ -47,6 +49,9 @@ class Position:
     params_bytes: int  # leaf inputs (parameters, buffers, the user's tensors): live all step
     inputs_bytes: int  # activation inputs handed over by an earlier region
     grads_bytes: int  # gradients of its leaf inputs, from its backward to the step's end
+    # gradients of its leaf inputs already there when it is called (accumulated over micro-steps):
+    # held from the step's start; the same tensors its backward adds into
+    held_grads_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,11 @@ def _validate(positions: Sequence[Position], menus: Sequence[Sequence[PlanOption
 
 
 def fixed_bytes(positions: Sequence[Position], p: int) -> int:
-    """What the other positions hold while position p runs, apart from saved activations."""
+    """What the other positions hold while position p runs, apart from saved activations (and
+    the accumulated gradients there since the step began, its own included)."""
     return sum(q.params_bytes for j, q in enumerate(positions) if j != p) \
-        + sum(q.inputs_bytes for q in positions[:p]) + sum(q.grads_bytes for q in positions[p + 1:])
+        + sum(q.inputs_bytes + q.held_grads_bytes for q in positions[:p]) + positions[p].held_grads_bytes \
+        + sum(q.grads_bytes for q in positions[p + 1:])
 
 
 def step_peaks(positions: Sequence[Position], menus: Sequence[Sequence[PlanOption]],

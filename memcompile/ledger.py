@@ -53,6 +53,9 @@ class Footprint:
     inputs_bytes: int  # its non-leaf inputs: activations handed over by an earlier region
     saved_bytes: int  # activations its plan keeps from its forward to its backward
     grads_bytes: int  # gradients of its parameters, from its backward to the end of the step
+    # gradients of its leaf inputs already there at the call (accumulated over micro-steps): held
+    # all step, the same tensors its backward adds into
+    held_grads_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class StepLedger:
         self._planned_outside: list[int] = []  # per position: the outside bytes its plan assumed
         self._regions: list[object] = []  # per position: which compiled region ran there
         self._completed: tuple[tuple[object, Footprint], ...] | None = None
+        self._steps_completed = 0
         # (position, () -> (leaf bytes freed since, of which with gradients)): see watch_leaves
         self._watched: list[tuple[int, Callable[[], tuple[int, int]]]] = []
         self._position = 0
@@ -123,6 +127,7 @@ class StepLedger:
             self._count_freed_leaves()
             if self._backward_seen:
                 self._seen = set()
+                self._steps_completed += 1
                 steps = self._slots[:self._position]
                 self._completed = tuple(zip(self._regions[:self._position], steps)) \
                     if all(f is not None for f in steps) else None
@@ -213,6 +218,11 @@ class StepLedger:
                     grads_bytes=max(0, footprint.grads_bytes - grads))
         self._watched.clear()
 
+    def steps_completed(self) -> int:
+        """How many steps have ended with a backward and been followed by another call."""
+        with self._lock:
+            return self._steps_completed
+
     def completed_step(self) -> tuple[tuple[object, Footprint], ...] | None:
         """(region, footprint) per position of the last step that ended with a backward, once
         the next step has begun (None before; or if a position of it recorded nothing)."""
@@ -256,19 +266,22 @@ class StepLedger:
 
 
 def outside_bytes(slots: Sequence[Footprint | None], position: int) -> int:
+    """What the positions other than `position` hold while it runs (the module docstring);
+    gradients accumulated before the step count from its start (for later positions they are
+    the gradients their backward adds into, counted once)."""
     total = 0
     for j, slot in enumerate(slots):
         if slot is None or j == position:
             continue
         total += slot.params_bytes
         if j < position:
-            total += slot.saved_bytes + slot.inputs_bytes
+            total += slot.saved_bytes + slot.inputs_bytes + slot.held_grads_bytes
         else:
-            total += slot.grads_bytes
+            total += max(slot.grads_bytes, slot.held_grads_bytes)
     return total
 
 
 def predicted_step_peak(slots: Iterable[Footprint | None]) -> int:
     slots = list(slots)
-    return max((s.own_peak_bytes + outside_bytes(slots, p) for p, s in enumerate(slots) if s is not None),
-               default=0)
+    return max((s.own_peak_bytes + s.held_grads_bytes + outside_bytes(slots, p)
+                for p, s in enumerate(slots) if s is not None), default=0)

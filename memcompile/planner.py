@@ -21,7 +21,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.cost_models.device import profile_for
 from memcompile.cost_models.node_cost import estimate_node_time_s
-from memcompile.errors import InfeasibleBudgetError
+from memcompile.errors import InfeasibleBudgetError, PlanningFailedError
 from memcompile.options import Options
 from memcompile.passes.activation_analysis import (
     MUST_RECOMPUTE_REASON,
@@ -104,6 +104,13 @@ def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
                 isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)):
             return True
     return False
+
+
+def predicted_inference_peak(graph: fx.GraphModule) -> int:
+    """Peak bytes of an inference graph (AOTAutograd's, one phase, every output the user's), in
+    graph order with every value a buffer: an upper bound of what Inductor's fused kernels hold."""
+    outputs = graph.graph.find_nodes(op="output")[0].args[0]
+    return analyze_liveness(graph, None, len(outputs)).peak_bytes
 
 
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
@@ -807,12 +814,19 @@ def plan_joint_graph(
                                  options=options, graph_id=graph_id, request=request)
     except (InfeasibleBudgetError, NoSolverPlanFits):
         raise
-    except Exception as error:  # noqa: BLE001 - degrade to the stock partition, never abort training
-        log.warning("memcompile: planning %s failed (%s: %s); using PyTorch's default partition, "
-                    "which does not honour the budget", graph_id, type(error).__name__, error,
-                    exc_info=log.isEnabledFor(logging.DEBUG))
-        return _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                               options, graph_id, error)
+    except Exception as error:  # noqa: BLE001 - degrade to the stock partition where it fits
+        fw, bw, plan = _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
+                                       options, graph_id, error)
+        fits = 0 < plan.predicted_peak_bytes <= options.step_budget_bytes
+        message = (f"memcompile: planning {graph_id} failed ({type(error).__name__}: {error}); PyTorch's default "
+                   f"partition is predicted to peak at {format_bytes(plan.predicted_peak_bytes)} "
+                   f"({'within' if fits else 'over, or not predicted within,'} the step budget of "
+                   f"{format_bytes(options.step_budget_bytes)})")
+        if not fits and options.on_unplanned == "raise":
+            raise PlanningFailedError(
+                message + ". Please report the error; on_unplanned=\"warn\" runs that partition anyway.") from error
+        log.warning("%s; running it", message, exc_info=log.isEnabledFor(logging.DEBUG))
+        return fw, bw, plan
 
 
 def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, options, graph_id, error):

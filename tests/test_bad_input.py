@@ -193,9 +193,11 @@ def test_solver_that_runs_out_of_time_still_gives_a_plan(attention_case, monkeyp
 
 
 @pytest.mark.parametrize("broken_name", ["greedy_plan", "analyze_joint_graph", "solve_min_peak"])
-def test_planner_failures_fall_back_to_the_stock_partition_with_a_warning(attention_case, monkeypatch, caplog, broken_name):
-    """If even the fallback fails (or the analysis does), PyTorch's own partition runs: the
-    step trains (gradients correct), with a warning that the budget is not honoured."""
+def test_planner_failures_fall_back_to_the_stock_partition_only_where_it_fits(attention_case, monkeypatch, caplog,
+                                                                              broken_name):
+    """If even the fallback fails (or the analysis does), PyTorch's own partition runs where it is
+    predicted within the budget (a warning says planning failed), with correct gradients; where it
+    is not, the call raises PlanningFailedError, unless on_unplanned="warn" runs it anyway."""
     from memcompile import planner
 
     def broken(*_args, **_kwargs):
@@ -204,12 +206,21 @@ def test_planner_failures_fall_back_to_the_stock_partition_with_a_warning(attent
     step, x, params, expected, budget = attention_case
     monkeypatch.setattr(planner, "solve_activation_plan", broken)
     monkeypatch.setattr(planner, broken_name, broken)
-    with caplog.at_level(logging.WARNING, logger="memcompile"):
-        result = run_step(step, x, params, 1 if broken_name == "solve_min_peak" else budget)
-    for a, b in zip(expected, result.grads):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    assert result.plan.solver_status.startswith("stock_fallback")
-    assert "default partition" in caplog.text and f"{broken_name} exploded" in caplog.text
+    tight = 1 if broken_name == "solve_min_peak" else budget
+    # At a roomy budget only the analysis runs (nothing to solve): its failure falls back there.
+    runs = ([("1GB", {})] if broken_name == "analyze_joint_graph" else []) + [(tight, {"on_unplanned": "warn"})]
+    for limit, options in runs:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="memcompile"):
+            result = run_step(step, x, params, limit, **options)
+        for a, b in zip(expected, result.grads):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        assert result.plan.solver_status.startswith("stock_fallback")
+        assert "default partition" in caplog.text and f"{broken_name} exploded" in caplog.text
+    with pytest.raises(memcompile.PlanningFailedError, match="exploded") as info:
+        run_step(step, x, params, 1)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    torch.compiler.reset()
 
 
 # -- ops the passes do not know ----------------------------------------------------------------

@@ -34,6 +34,7 @@ def _bounds_at(model, x) -> tuple[int, int]:
     torch.compile(WithLoss(model), backend=backend, dynamic=False)(x).backward()
     high = backend.plans[-1].predicted_peak_before_bytes
     torch.compiler.reset()
+    model.zero_grad(set_to_none=True)
     with pytest.raises(memcompile.InfeasibleBudgetError) as info:
         torch.compile(WithLoss(model), backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=2),
                       dynamic=False)(x)
@@ -86,6 +87,7 @@ def test_larger_size_is_replanned_once_and_smaller_ones_reuse_it():
     compiled = torch.compile(WithLoss(model), backend=backend, dynamic=True)
     counts = []
     for length in (8, 32, 16, 32, 12):
+        model.zero_grad(set_to_none=True)  # plain steps (accumulated gradients would count)
         compiled(_input("attention", 16, 2, length)).backward()
         counts.append(len(backend.plans))
     # planned for 8, re-planned for 32; 16, 32 and 12 are covered by the plan for 32
@@ -105,6 +107,7 @@ def test_a_size_too_large_for_the_budget_raises_before_running():
     backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=2)
     compiled = torch.compile(WithLoss(model), backend=backend, dynamic=True)
     compiled(_input("mlp", 32, 2, 16)).backward()
+    model.zero_grad(set_to_none=True)  # plain steps (accumulated gradients would count)
     with pytest.raises(memcompile.InfeasibleBudgetError) as info:
         compiled(_input("mlp", 32, 2, 512))
     assert info.value.min_feasible_bytes > budget

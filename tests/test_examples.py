@@ -81,8 +81,10 @@ def test_per_block_plans_settle_after_the_second_step(per_block_result):
 
 
 def test_per_block_below_the_least_joint_plan_raises_the_typed_error_and_its_minimum_fits():
-    """A budget no combination of plans fits: the typed error once the step is known, naming the
-    smallest budget of a joint plan; compiling at exactly that budget then fits."""
+    """A budget no combination of plans fits: the typed error before the first step runs over,
+    naming the smallest budget of the blocks seen so far (each at its least peak; a later block
+    may need more, and a run at that budget then names a larger one); compiling at the last
+    budget named then fits."""
     import memcompile
     per_block = _example("per_block")
     torch._dynamo.reset()
@@ -90,8 +92,16 @@ def test_per_block_below_the_least_joint_plan_raises_the_typed_error_and_its_min
         per_block.run(budget_fraction=0.6, steps=2, **FAST)
     need = info.value.min_feasible_bytes
     assert need > info.value.budget_bytes
-    torch._dynamo.reset()
-    r = per_block.run(budget_bytes=need, steps=3, **FAST)
+    for _round in range(6):  # the example's 4 blocks and head
+        torch._dynamo.reset()
+        try:
+            r = per_block.run(budget_bytes=need, steps=3, **FAST)
+            break
+        except memcompile.InfeasibleBudgetError as error:
+            assert error.min_feasible_bytes > need and not error.whole_step
+            need = error.min_feasible_bytes
+    else:
+        raise AssertionError(f"no run at a named budget fitted (last {need})")
     assert r.budget_bytes == need
     assert max(r.step_peaks_bytes) <= r.predicted_step_peak_bytes <= r.budget_bytes
 

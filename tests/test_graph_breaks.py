@@ -333,7 +333,9 @@ def test_inductor_regions_replan_inside_calls(monkeypatch):
     # of the step follows it); once the step was known, each re-planned once.
     assert len(backend.plans) == 4
     assert all(p.solver_status.startswith("least_peak") for p in backend.plans[:2])
-    assert backend.plans[2].reserve_bytes > backend.plans[0].reserve_bytes
+    # Region 0's first plan already counted region 1's parameters and gradients (the frame's
+    # module holds them), before region 1 was compiled: what its re-plan counts too.
+    assert backend.plans[0].reserve_bytes == backend.plans[2].reserve_bytes > 0
     assert not any(d.choice == "recompute" for p in backend.plans[2:] for d in p.decisions)  # a roomy budget keeps all
 
 
