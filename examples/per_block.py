@@ -11,9 +11,9 @@ plan per distinct graph (blocks of equal shapes may reuse one compiled graph).
 The budget is meant for the whole step. After the first step the backend knows every block
 call of the step and chooses one plan per compiled graph for all of them together (identical
 blocks share a graph, hence a plan): the least added time with every call's peak, plus what the
-other calls hold then, within the budget (memcompile/joint_plan.py). The first step runs with
-what was known when each block was first called (blocks after the first hold as little as they
-can); it may exceed the budget, with a warning. Code between compiled regions runs eagerly and
+other calls hold then, within the budget (memcompile/joint_plan.py). In the first step every
+block (called with the embedding's activations) runs its least-peak plan, and every call is
+checked against what the step holds before it runs. Code between compiled regions runs eagerly and
 is not seen by memcompile: torchtitan leaves the output norm and the loss uncompiled, whose
 temporaries would come on top of the budget, so here that head is compiled with the same
 backend too (or pass its bytes as `reserve`).
@@ -66,10 +66,12 @@ class Head(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, d: int, heads: int, depth: int) -> None:
         super().__init__()
+        self.embed = nn.Linear(d, d)  # the input projection (torchtitan: the token embedding)
         self.layers = nn.ModuleDict({str(i): Block(d, heads) for i in range(depth)})  # torchtitan's layout
         self.head = Head(d)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
         for layer in self.layers.values():
             x = layer(x)
         return self.head(x, target)
@@ -77,10 +79,11 @@ class Transformer(nn.Module):
 
 def compile_blocks(model: Transformer, options: dict) -> None:
     """torchtitan's apply_compile: each block replaced by its compiled self, same backend; and
-    the head, so that no eager code holds memory the budget does not know of."""
+    the input projection and the head, so that no eager code holds memory the budget does not know of."""
     for name, block in model.layers.named_children():
         model.layers.register_module(name, torch.compile(block, backend="memcompile", options=dict(options),
                                                          fullgraph=True))
+    model.embed = torch.compile(model.embed, backend="memcompile", options=dict(options), fullgraph=True)
     model.head = torch.compile(model.head, backend="memcompile", options=dict(options), fullgraph=True)
 
 

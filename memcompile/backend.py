@@ -30,7 +30,8 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options
 from memcompile.plan import Plan, format_bytes
 from memcompile.plan_cache import source_hash
-from memcompile.planner import NoSolverPlanFits, PlanRequest, Replanner, plan_joint_graph, predicted_inference_peak
+from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, held_bytes, plan_joint_graph,
+                                predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 
 log = logging.getLogger("memcompile")
@@ -168,7 +169,6 @@ class _Region:
         # frame's modules' parameters (later regions of the first step take some of them).
         arguments = tp.compiling_frame_arguments()
         self.ends_at_graph_break = tp.graph_ends_at_graph_break(gm)
-        self.returns_a_loss = _returns_a_loss(gm)
         self.called_mid_step = _holds_activations(arguments)
         self.own_leaf_ids = tp.graph_input_ids(gm)
         backend.ledger.note_frame_leaves(_module_parameters(arguments))
@@ -205,15 +205,17 @@ class _Region:
         position = backend.ledger.next_position()
         outside = backend.ledger.outside_bytes(position, also_seen=self.own_leaf_ids)
         example_inputs, self._example_inputs = self._example_inputs, []
-        # Before any step has ended, a region that more of the step may follow (one after the
-        # first; one that ends at a graph break, returns no loss or was called with activations,
-        # as blocks compiled one by one are; one compiled ahead of its call behind another, as
+        # Before any step has ended, a region that more of the step follows (one after the first;
+        # one that ends at a graph break, or was called with activations, as blocks compiled one
+        # by one after an embedding are; one compiled ahead of its call behind another, as
         # DDPOptimizer compiles all its pieces) cannot know what later regions need: it holds as
-        # little as it can for the first step, and is re-planned once the step is known. A region
-        # that computes the step's loss from the step's inputs plans to the budget at once.
+        # little as it can for the first step, and is re-planned once the step is known. A first
+        # region called with the step's inputs plans to the budget at once: most steps are that
+        # one region (its loss computed in it, or eagerly after it), and planning it twice would
+        # double its compile. Where more regions do follow it, a later call that cannot fit
+        # raises StepOverrunError before it runs (and the step run again fits).
         cautious = backend.in_first_step() and (
-            position > 0 or backend.compiled_ahead > 0 or self.ends_at_graph_break
-            or self.called_mid_step or not self.returns_a_loss)
+            position > 0 or backend.compiled_ahead > 0 or self.ends_at_graph_break or self.called_mid_step)
         cautious = cautious or backend.cautious_now()
         self.followed_in_first_step = cautious  # more of the first step may follow it
         kind = "least" if cautious else "outside"
@@ -429,13 +431,19 @@ class _Region:
                 error = _for_the_step_so_far(error, position)  # later regions are not known yet
             if outside <= 0 or not (backend.in_first_step() or backend.ledger.earlier_plans_stale(position)):
                 raise error
-            if backend.step_ran_cautious(position):
-                raise error  # every earlier call holds as little as it can: no plan of the step fits
+            shortfall = error.min_feasible_bytes - backend.options.budget_bytes
+            reducible = backend.reducible_saved_bytes(position)
+            if shortfall > reducible:
+                # Even with every earlier call at its least peak this one would not fit: no plan
+                # of the step does. The floor assumes them at their least.
+                raise InfeasibleBudgetError(
+                    str(error).replace(str(error.min_feasible_bytes), str(error.min_feasible_bytes - reducible)),
+                    budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes - reducible,
+                    contributors=error.contributors, whole_step=error.whole_step)
             # Earlier calls of this step run plans made before this region was known (the first
             # step's single regions, a region compiled after the step plan was chosen): the plan
             # for the whole step replaces them once it has ended, but this step would run over.
             backend.first_step_overrun(error, position)  # raises, unless on_first_step_overrun="warn"
-            shortfall = error.min_feasible_bytes - backend.options.budget_bytes
             return compile_for(max(0, outside - shortfall))
 
     def _fit_to_position(self, position: int, variant: _Variant, outside: int,
@@ -482,6 +490,17 @@ class _Region:
         except InfeasibleBudgetError as error:
             self.backend.errors.append(error)
             raise
+
+    def least_saved_bytes(self) -> int:
+        """What this region's least-peak plan holds from its forward to its backward (0 when it
+        has no plan to offer: what it runs is all there is)."""
+        current = self._current[0] if self._current else None
+        if current is not None and current.cautious:
+            return saved_bytes_of(current.plan) if current.plan is not None else 0
+        if self.replanner is None:
+            return saved_bytes_of(current.plan) if current is not None and current.plan is not None else 0
+        least = self.replanner.least_peak()
+        return held_bytes(self.replanner.analysis.problem, least.solution)
 
     def plan_options(self) -> tuple[tuple[PlanOption, Any], ...]:
         """(option, decisions) this region offers the step plan: from its latest compile's
@@ -562,7 +581,6 @@ class _Region:
             self.sizes = planned_sizes  # smaller sizes keep running under their plan
             ledger.abort_step()  # the step stops here; the next call starts it again
             raise
-        backend.note_call(position, variant)
         self._current = (variant, outside)
         footprint = variant.footprint(held_by_caller)
         if footprint is not None and held_grads:
@@ -646,7 +664,6 @@ class Backend:
         self._steps_ended = False
         self._graph_count = itertools.count()
         self._warned_over = 0
-        self._cautious_until = 0  # positions of this step before it all ran least-peak (or inference) plans
         # After a StepOverrunError: the number of steps completed then. Until one more completes,
         # every call runs its least-peak plan, so that the step, run again, fits if any plan does.
         self._cautious_while: int | None = None
@@ -717,22 +734,19 @@ class Backend:
                  "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
                  choice.added_time_s * 1e3, choice.status)
 
-    def note_call(self, position: int, variant: _Variant) -> None:
-        """What the call at `position` runs: a least-peak plan or not (step_ran_cautious)."""
-        if position == 0:
-            self._cautious_until = 0
-        if self._cautious_until == position and (variant.cautious or variant.plan is None):
-            self._cautious_until = position + 1
+    def reducible_saved_bytes(self, position: int) -> int:
+        """What the calls of this step before `position` hold beyond their regions' least-peak
+        plans: how much room running them at their least would have left."""
+        total = 0
+        for region, footprint in self.ledger.calls_before(position):
+            if footprint is not None and isinstance(region, _Region):
+                total += max(0, footprint.saved_bytes - region.least_saved_bytes())
+        return total
 
     def cautious_now(self) -> bool:
         """A StepOverrunError stopped this step shape's run: run every call at its least peak
         until a step has completed."""
         return self._cautious_while is not None and self._cautious_while == self.ledger.steps_completed()
-
-    def step_ran_cautious(self, position: int) -> bool:
-        """Every call of this step before `position` ran its least-peak plan: where the call at
-        `position` cannot fit even so, no plan of the step can (as far as the step is known)."""
-        return self._cautious_until >= position
 
     def first_step_overrun(self, error: InfeasibleBudgetError, position: int) -> None:
         """The call at `position` cannot fit beside what earlier calls of this step hold, which
@@ -917,17 +931,6 @@ def _check_inference_peak(peak: int, options: Options) -> None:
         f"smallest budget for it is {format_bytes(need)} (min_feasible_bytes={need}). Raise the budget, or run "
         "inference with a smaller batch.", budget_bytes=options.budget_bytes, min_feasible_bytes=need)
 
-
-def _returns_a_loss(gm: fx.GraphModule) -> bool:
-    """The graph returns a scalar that requires grad: a loss, from which the step's backward
-    starts (a graph returning only activations is followed by more of the step)."""
-    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
-    values = output.args[0] if output is not None else ()
-    for value in (values if isinstance(values, (list, tuple)) else (values,)):
-        fake = value.meta.get("example_value") if isinstance(value, fx.Node) else None
-        if isinstance(fake, torch.Tensor) and fake.dim() == 0 and fake.requires_grad and fake.is_floating_point():
-            return True
-    return False
 
 
 def _accumulated_grad_bytes(args: Sequence[Any], held_by_caller: Sequence[bool]) -> int:

@@ -218,6 +218,11 @@ class StepLedger:
                     grads_bytes=max(0, footprint.grads_bytes - grads))
         self._watched.clear()
 
+    def calls_before(self, position: int) -> tuple[tuple[object, Footprint | None], ...]:
+        """(region, footprint) of this step's calls before `position`."""
+        with self._lock:
+            return tuple(zip(self._regions[:position], self._slots[:position]))
+
     def steps_completed(self) -> int:
         """How many steps have ended with a backward and been followed by another call."""
         with self._lock:

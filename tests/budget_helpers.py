@@ -58,7 +58,12 @@ def run_step(module: torch.nn.Module, x: torch.Tensor, params: list[torch.Tensor
     """Compile under `limit`, run one warm-up step, then one measured step (seeded)."""
     backend, compiled = compile_under(module, limit, **options)
     try:
+        # Plain steps: gradients already there (of the input too) would count as accumulated.
+        module.zero_grad(set_to_none=True)
+        x.grad = None
         grads(params, lambda: compiled(x), seed)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
         for p in params:
             p.grad = None
         if seed is not None:

@@ -11,9 +11,16 @@ from memcompile.solver.activations import ActivationProblem
 from models import Attention, WithLoss, build
 
 
+def _clear(model, x) -> None:
+    """Plain steps: gradients left by one would count as accumulated in the next."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+
+
 def _mid_budget(model, x) -> int:
     backend = memcompile.budget(10**12, codegen="aot_eager", time_limit_s=2)
     torch.compile(WithLoss(model), backend=backend)(x).backward()
+    _clear(model, x)
     high = backend.plans[0].predicted_peak_before_bytes
     torch.compiler.reset()
     try:
@@ -27,6 +34,7 @@ def _mid_budget(model, x) -> int:
 def _compile_once(model, x, budget, **options):
     backend = memcompile.budget(budget, codegen="aot_eager", time_limit_s=2, **options)
     torch.compile(WithLoss(model), backend=backend)(x).backward()
+    _clear(model, x)
     torch.compiler.reset()
     return backend.plans[0]
 
