@@ -19,7 +19,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.cost_models.device import blas_workspace_bytes, profile_for
 from memcompile.passes.graph_facts import step_device
-from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads
+from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
 from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
@@ -116,6 +116,12 @@ class _Variant:
     inputs: InputBytes | None
     decisions: tuple | None = None  # (keep, recompute, stored) of its plan, when planned by memcompile
     cautious: bool = False  # its least-peak plan, run while the rest of the step is not known
+    loss_heads: tuple[LossHead, ...] = ()  # the chunked heads of the graph it compiled
+
+    def user_outputs(self, outputs: Any, args: Sequence[Any]) -> Any:
+        """What the user's code returns: a chunked head's returned logits get their gradient path,
+        the hidden states the graph returned for it are dropped (passes/loss_head.py)."""
+        return with_logits_gradients(self.loss_heads, outputs, args)
 
     def footprint(self, held_by_caller: tuple[bool, ...]) -> Footprint | None:
         if self.plan is None or self.inputs is None:
@@ -406,7 +412,7 @@ class _Region:
             _check_inference_peak(record.inference_peak_bytes, options)
         variant = _Variant(fn, record.plan, record.inputs,
                            request.solution.decisions if request.solution is not None else None,
-                           cautious=request.least_peak)
+                           cautious=request.least_peak, loss_heads=self.loss_heads)
         if request.replanner is not None:
             self.replanner = request.replanner
         if len(self.variants) >= self._MAX_VARIANTS:
@@ -557,11 +563,12 @@ class _Region:
     def __call__(self, *args: Any) -> Any:
         latest = self._current[0] if self._current else next(reversed(self.variants.values()), None)
         if latest is not None and (not torch.is_grad_enabled() or latest.plan is None):
-            return latest.fn(*args)  # inference graphs are not planned: nothing to re-plan
+            # inference graphs are not planned: nothing to re-plan
+            return latest.user_outputs(latest.fn(*args), args)
         if any(tp.is_fake_tensor(a) for a in args):
             # DDPOptimizer runs each compiled piece on fake tensors while it compiles the next
             # one (for its inputs' strides): not a call of the step.
-            return latest.fn(*args)
+            return latest.user_outputs(latest.fn(*args), args)
         backend, ledger = self.backend, self.backend.ledger
         backend.compiled_ahead = 0
         planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
@@ -590,8 +597,8 @@ class _Region:
         if footprint is not None and variant.inputs is not None and len(args) == len(variant.inputs.nbytes):
             ledger.watch_leaves(position, _freed_leaves(args, held_by_caller, variant.inputs))
         out = variant.fn(*args)
-        _on_backward(out, ledger.backward_ran)
-        return out
+        _on_backward(out, ledger.backward_ran)  # before user_outputs: returned logits' own path may never run
+        return variant.user_outputs(out, args)
 
 
 @dataclasses.dataclass(frozen=True)

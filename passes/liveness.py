@@ -211,9 +211,11 @@ def analyze_liveness(
             tangent = creator.op == "placeholder"
             storages[key] = _Storage(nbytes, TEMPORARY, from_input=tangent, pinned=tangent,
                                      dtype=_dtype_of(key, creator))
-        # Saved tensors are released by the backward after their last reader there.
+        # Saved tensors are released by the backward after their last reader there; one that is
+        # also a user output (logits returned and saved for the loss) is the caller's until the
+        # step ends.
         for key in handed_on.values():
-            if storages[key].category == SAVED:
+            if storages[key].category == SAVED and not storages[key].user_visible:
                 storages[key].pinned = False
                 storages[key].last_step = -1
         _mark_last_reads(bw_nodes, bw_roots, bw_fused, storages)
@@ -520,7 +522,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             return None
 
         for key in handed_on.values():
-            if storages[key].category == SAVED:
+            if storages[key].category == SAVED and not storages[key].user_visible:
                 storages[key].pinned = False
                 storages[key].last_step = -1
         bw_keys = walk("backward", bw, bw_schedule, "bw:", bw_input)

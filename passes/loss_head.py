@@ -10,19 +10,58 @@ The rewrite works on Dynamo's graph (torch-level calls) before AOTAutograd: the 
 call of `memcompile.loss_ops.chunked_linear_cross_entropy` (a custom op: Inductor cannot fuse
 its chunks back together; it computes the gradients as it goes, the backward scales them), and for
 reduction="mean" a division by the count of targets not equal to `ignore_index`, which is
-exactly what PyTorch's mean reduction computes. Gradients equal the unchunked ones up to float
-reassociation of the sums over chunks.
+exactly what PyTorch's mean reduction computes (with label smoothing too). Gradients equal the
+unchunked ones up to float reassociation of the sums over chunks.
 
-Matched pattern (every intermediate used once, static shapes, no class weights, no label
-smoothing): cross_entropy(view(-1, V)([float](linear(h, W, b))), target).
+Where the graph also returns the logits (`forward(idx, targets) -> (logits, loss)`, every Hugging
+Face causal LM), the op writes them, chunk by chunk, into an output of the head's dtype: they
+exist, once, as the caller expects; no copy is saved for the backward, and their gradient is
+never made whole. They leave the op without a gradient path (a differentiable output would get a
+zero-filled tangent as large as the logits in every backward, where training loops only
+backpropagate the loss); `with_logits_gradients` gives the returned tensor a path of its own,
+outside the compiled graph, that runs only if the caller backpropagates through the logits, and
+holds only the hidden states for it (the graph returns them too, where they are not an input).
+
+Matched (static shapes; cross_entropy of class indices, no class weights, reduction "mean" or
+"sum", any int ignore_index, label smoothing a number):
+    cross_entropy(view(-1, V)(step*(linear(h, W, b))), target)
+where each step between the linear and the view is one of
+- `.contiguous()`                                  (OPT's head);
+- `.float()` / `.to(torch.float32)`, at most one   (every HF head: ForCausalLMLoss upcasts);
+- `* c` or `/ c` with a Python number c            (Cohere's logit_scale, Granite's logits_scaling);
+- `[..., a:b, :]` on the sequence dimension, once  (the shift `logits[..., :-1, :]` with
+  `labels[..., 1:]`: the op computes every position and the targets of the positions the loss
+  does not read become ignore_index; the labels may be built any way);
+and the linear's result (or a step before the upcast and slice, after every scale) may also be
+returned by the graph. Under autocast the bf16/float16 logits need no explicit upcast:
+cross_entropy autocasts to float32 (its result is float32, which is what is checked). Tied
+embeddings (W also read by the embedding) need nothing: the op's gradient of W is summed with
+the embedding's. Hugging Face's `sum / num_items_in_batch` is reduction "sum" and a division the
+graph keeps. Surveyed on transformers 5.24 (small configs, `(out.logits, out.loss)` compiled):
+GPT-2, Llama (also with num_items_in_batch), Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX, OPT, Falcon,
+Bloom, Phi, Phi-3, GPT-J, OLMo, Cohere and Granite all match; Gemma 2 does not (softcapping).
+Label smoothing is matched where the model's own code passes it (HF's loss_function does not).
+
+Not matched (the head stays whole), and why:
+- the logits read by anything else in the graph (a z-loss, `loss + logits.mean()`): their
+  gradient inside the graph would need them whole;
+- final logit softcapping (Gemma 2/3: `tanh(logits / cap) * cap`), or any other op between the
+  linear and the loss than those above: the op computes plain scaled logits;
+- low precision logits reaching cross_entropy without an upcast outside autocast: PyTorch computes
+  that loss in bf16/float16, the op in float32 (a different result, not a reassociation);
+- class weights, reduction="none", probabilities as targets, symbolic (dynamic) shapes, a
+  returned upcast or sliced logits tensor, returned logits whose W or b is not a graph input (the
+  gradient path outside the graph needs them), and heads too small for two chunks of 16 rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import operator
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,35 +106,57 @@ class LossHead:
     """One matched loss head of a graph (node names) and how it would be chunked."""
 
     linear: str
+    steps: tuple[str, ...]  # the nodes from the linear's result to the (rows, V) view, in order, the view last
     target: str
-    logits_view: str
-    upcast: str  # the float() node between linear and view, or "" if none
     cross_entropy: str
-    tokens: int
+    tokens: int  # rows of the linear's result: what the op computes
     vocab: int
     hidden: int
     ignore_index: int
     reduction: str  # "mean" or "sum"
     chunks: int
+    label_smoothing: float = 0.0
+    logit_scale: float = 1.0
+    # Shifted heads: (start, stop) of the sequence dimension (-2) the loss reads; None: all of it.
+    seq_window: tuple[int, int] | None = None
+    logits_shape: tuple[int, ...] = ()
+    # The logits also returned: the nodes holding them and their positions among the graph's outputs.
+    returned: tuple[str, ...] = ()
+    returned_at: tuple[int, ...] = ()
+    # For the returned logits' gradient path: graph input positions of W and b, and of h (None: h
+    # is not an input; chunk_loss_heads makes it the graph's output at hidden_output).
+    weight_input: int | None = None
+    bias_input: int | None = None
+    hidden_input: int | None = None
+    hidden_output: int | None = None
+    tied: bool = False  # W is read elsewhere too (tied input and output embeddings)
     # Under autocast the linear computes in a lower precision than its inputs: they are cast to it
     # (as autocast does) before the op, which does not autocast by itself. None: no cast.
     cast_to: torch.dtype | None = None
 
     def describe(self) -> str:
+        notes = [f"reduction={self.reduction}"]
+        notes += ["logits also returned"] if self.returned else []
+        notes += ["tied weights"] if self.tied else []
+        notes += [f"label smoothing {self.label_smoothing:g}"] if self.label_smoothing else []
+        notes += [f"logits scaled by {self.logit_scale:g}"] if self.logit_scale != 1.0 else []
+        notes += [f"positions {self.seq_window[0]}:{self.seq_window[1]} of {self.logits_shape[-2]}"] \
+            if self.seq_window else []
         return (f"loss head {self.cross_entropy}: linear -> cross_entropy over {self.vocab} classes, "
-                f"{self.tokens} tokens, chunked into {self.chunks} (reduction={self.reduction})")
+                f"{self.tokens} tokens, chunked into {self.chunks} ({'; '.join(notes)})")
 
     def added_time_s(self, profile: DeviceProfile) -> float:
         """Estimated step time the chunked head adds over the whole head (the same matmuls; its
         small ops run unfused): what chunk_loss="auto" weighs against the recomputation chunking
-        saves: see _STEP_COST_OVER_MODEL."""
+        saves: see _STEP_COST_OVER_MODEL. Returned logits: one more pass, their copy out."""
         logits_bytes = self.tokens * self.vocab * 4
+        passes = _EXTRA_LOGITS_PASSES + (1 if self.returned else 0)
         return _STEP_COST_OVER_MODEL * (self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s
-                                        + _EXTRA_LOGITS_PASSES * logits_bytes / profile.memory_bytes_per_s)
+                                        + passes * logits_bytes / profile.memory_bytes_per_s)
 
 
-def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
-    value = node.meta.get("example_value")
+def _static_shape(node: object) -> tuple[int, ...] | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor):
         return None
     shape = tuple(value.shape)
@@ -115,6 +176,46 @@ def _is_upcast(node: fx.Node) -> bool:
     return node.target == "to" and len(node.args) == 2 and node.args[1] is torch.float32 and not node.kwargs
 
 
+def _is_contiguous(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1 and not node.kwargs
+
+
+def _scale(node: fx.Node) -> float | None:
+    """c for `x * c`, `c * x` or `x / c` with a Python number c (not 0); None otherwise."""
+    if node.op != "call_function" or node.target not in (operator.mul, operator.truediv) or node.kwargs \
+            or len(node.args) != 2:
+        return None
+    x, c = node.args if isinstance(node.args[0], fx.Node) else node.args[::-1]
+    if node.target is operator.truediv and x is not node.args[0]:
+        return None  # c / x
+    if not isinstance(x, fx.Node) or isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0:
+        return None
+    return float(c) if node.target is operator.mul else 1.0 / c
+
+
+def _seq_window(node: fx.Node) -> tuple[int, int] | None:
+    """(start, stop) for `x[..., a:b, :]` (or `x[:, a:b]`, ...): a slice of x's dimension -2 with
+    step 1, every other dimension whole; None otherwise."""
+    if not _is_call(node, {operator.getitem}) or not isinstance(node.args[0], fx.Node):
+        return None
+    shape = _static_shape(node.args[0])
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if shape is None or len(shape) < 2 or index.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (len(shape) - len(index))
+    if len(index) != len(shape) or not all(isinstance(i, slice) for i in index):
+        return None
+    window = index[-2]
+    bounds_are_ints = all(v is None or type(v) is int for v in (window.start, window.stop))
+    if any(i != slice(None) for i in index[:-2] + index[-1:]) or window.step not in (None, 1) or not bounds_are_ints:
+        return None
+    start, stop, _ = window.indices(shape[-2])
+    return (start, stop) if stop > start else None
+
+
 def _is_row_flatten(node: fx.Node, vocab: int) -> bool:
     """logits.view(-1, V) / reshape: flattens the leading dimensions, keeps the class dimension."""
     if node.op != "call_method" or node.target not in ("view", "reshape") or node.kwargs:
@@ -123,6 +224,21 @@ def _is_row_flatten(node: fx.Node, vocab: int) -> bool:
     if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
         dims = tuple(dims[0])
     return len(dims) == 2 and dims[1] in (vocab, -1) and all(isinstance(d, int) for d in dims)
+
+
+def _path_from_linear(node: object) -> list[fx.Node] | None:
+    """[linear, steps...] ending at `node`: walks back over the steps the rewrite takes (see the
+    module docstring) to a linear call; None if another op is in between."""
+    path = []
+    while isinstance(node, fx.Node):
+        path.append(node)
+        if _is_call(node, linear_ops()):
+            return path[::-1]
+        if not (_is_contiguous(node) or _is_upcast(node) or _scale(node) is not None
+                or _seq_window(node) is not None):
+            return None
+        node = next(a for a in node.args if isinstance(a, fx.Node))  # the tensor (`c * x` too)
+    return None
 
 
 def _tensor_args(node: fx.Node) -> list[torch.Tensor]:
@@ -135,64 +251,146 @@ def _chunks(tokens: int, vocab: int, hidden: int) -> int:
     return max(1, min(_MAX_CHUNKS, wanted, tokens // _MIN_CHUNK_ROWS))
 
 
+def _cross_entropy_arguments(node: fx.Node) -> dict[str, Any] | None:
+    """cross_entropy's arguments by name (defaults filled in) if the op can compute it; else None."""
+    try:
+        bound = _CROSS_ENTROPY_SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    arguments = {**{k: p.default for k, p in _CROSS_ENTROPY_SIGNATURE.parameters.items()}, **bound.arguments}
+    smoothing = arguments["label_smoothing"]
+    if (arguments["weight"] is not None or arguments["size_average"] is not None or arguments["reduce"] is not None
+            or arguments["reduction"] not in ("mean", "sum") or type(arguments["ignore_index"]) is not int
+            or isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing <= 1):
+        return None
+    return arguments
+
+
+def _match(ce: fx.Node, inputs: dict[fx.Node, int], outputs: tuple | None) -> LossHead | None:
+    """The loss head whose cross_entropy is `ce`, if the rewrite can take it. `inputs`: the graph's
+    placeholders by position; `outputs`: the output node's values (None if not a flat tuple)."""
+    arguments = _cross_entropy_arguments(ce)
+    if arguments is None:
+        return None
+    view, target = arguments["input"], arguments["target"]
+    if not isinstance(view, fx.Node) or not isinstance(target, fx.Node) or len(view.users) != 1:
+        return None
+    path = _path_from_linear(view.args[0]) if view.args else None
+    if path is None:
+        return None
+    linear, steps = path[0], path[1:] + [view]
+    kinds = ["upcast" if _is_upcast(n) else "slice" if _seq_window(n) else "scale" if _scale(n) is not None
+             else "contiguous" for n in path[1:]]
+    if kinds.count("upcast") > 1 or kinds.count("slice") > 1 or linear.kwargs or len(linear.args) not in (2, 3):
+        return None
+    hidden_node, weight, bias = (*linear.args, None)[:3]
+    logits_shape, view_shape, target_shape = _static_shape(linear), _static_shape(view), _static_shape(target)
+    hidden_shape, loss_value = _static_shape(hidden_node), ce.meta.get("example_value")
+    if None in (logits_shape, view_shape, target_shape, hidden_shape) or len(view_shape) != 2 \
+            or not isinstance(loss_value, torch.Tensor):
+        return None
+    rows_read, vocab = view_shape
+    tokens = math.prod(logits_shape[:-1])
+    slices = [n for n, k in zip(path[1:], kinds) if k == "slice"]
+    window = _seq_window(slices[0]) if slices else None
+    read = tokens if window is None else tokens // logits_shape[-2] * (window[1] - window[0])
+    value = linear.meta["example_value"]
+    # float32 loss: the logits are float32, upcast, or autocast upcasts them for cross_entropy
+    if (not _is_row_flatten(view, vocab) or logits_shape[-1] != vocab or rows_read != read
+            or target_shape != (rows_read,) or hidden_shape[:-1] != logits_shape[:-1]
+            or not value.is_floating_point() or loss_value.dtype != torch.float32):
+        return None
+    dtypes = {v.dtype for v in _tensor_args(linear)}
+    if not all(d.is_floating_point for d in dtypes):
+        return None
+    # Each node of the path is read by the next, and may be returned by the graph where its value
+    # is the op's logits output: after every scale, before the upcast and the slice.
+    returned, returned_at = [], []
+    for i, node in enumerate(path):
+        reader = path[i + 1] if i + 1 < len(path) else view
+        others = [u for u in node.users if u is not reader]
+        if not others:
+            continue
+        if outputs is None or any(u.op != "output" for u in others) \
+                or any(k in ("upcast", "slice") for k in kinds[:i]) or "scale" in kinds[i:]:
+            return None
+        positions = [j for j, out in enumerate(outputs) if out is node]
+        if not positions:
+            return None  # returned inside a structure: no place to give it its gradient path
+        returned.append(node.name)
+        returned_at += positions
+    if returned and (weight not in inputs or (bias is not None and bias not in inputs)):
+        return None
+    chunks = _chunks(tokens, vocab, hidden_shape[-1])
+    if chunks < 2:
+        return None
+    return LossHead(linear.name, tuple(n.name for n in steps), target.name, ce.name, tokens, vocab, hidden_shape[-1],
+                    arguments["ignore_index"], arguments["reduction"], chunks,
+                    label_smoothing=float(arguments["label_smoothing"]),
+                    logit_scale=math.prod(_scale(n) for n, k in zip(path[1:], kinds) if k == "scale"),
+                    seq_window=window, logits_shape=logits_shape,
+                    returned=tuple(returned), returned_at=tuple(returned_at),
+                    weight_input=inputs.get(weight), bias_input=inputs.get(bias) if bias is not None else None,
+                    hidden_input=inputs.get(hidden_node) if returned else None,
+                    tied=any(u is not linear for u in weight.users) if isinstance(weight, fx.Node) else False,
+                    cast_to=value.dtype if dtypes != {value.dtype} else None)
+
+
 def find_loss_heads(graph: fx.Graph) -> tuple[LossHead, ...]:
     """The loss heads of a Dynamo graph that chunking would split into more than one chunk."""
-    heads = []
-    for node in graph.nodes:
-        if not _is_call(node, {F.cross_entropy}):
-            continue
-        try:
-            bound = _CROSS_ENTROPY_SIGNATURE.bind(*node.args, **node.kwargs)
-        except TypeError:
-            continue
-        arguments = {**{k: p.default for k, p in _CROSS_ENTROPY_SIGNATURE.parameters.items()}, **bound.arguments}
-        if (arguments["weight"] is not None or arguments["size_average"] is not None
-                or arguments["reduce"] is not None or arguments["label_smoothing"] != 0.0
-                or arguments["reduction"] not in ("mean", "sum") or not isinstance(arguments["ignore_index"], int)):
-            continue
-        view, target = arguments["input"], arguments["target"]
-        if not isinstance(view, fx.Node) or not isinstance(target, fx.Node) or len(view.users) != 1:
-            continue
-        upcast = view.args[0] if isinstance(view.args[0], fx.Node) and _is_upcast(view.args[0]) else None
-        linear = upcast.args[0] if upcast is not None else view.args[0]
-        if upcast is not None and len(upcast.users) != 1:
-            continue
-        if not _is_call(linear, linear_ops()) or len(linear.users) != 1 or linear.kwargs:
-            continue
-        logits_shape, view_shape, target_shape = _static_shape(linear), _static_shape(view), _static_shape(target)
-        hidden_node = linear.args[0]
-        hidden_shape = _static_shape(hidden_node) if isinstance(hidden_node, fx.Node) else None
-        if None in (logits_shape, view_shape, target_shape, hidden_shape) or len(view_shape) != 2:
-            continue
-        tokens, vocab = view_shape
-        value = linear.meta["example_value"]
-        if (not _is_row_flatten(view, vocab) or logits_shape[-1] != vocab or target_shape != (tokens,)
-                or not value.is_floating_point() or (upcast is None and value.dtype != torch.float32)):
-            continue
-        dtypes = {v.dtype for v in _tensor_args(linear)}
-        if not all(d.is_floating_point for d in dtypes):
-            continue
-        chunks = _chunks(tokens, vocab, hidden_shape[-1])
-        if chunks < 2:
-            continue
-        heads.append(LossHead(linear.name, target.name, view.name, upcast.name if upcast is not None else "", node.name,
-                              tokens, vocab, hidden_shape[-1], arguments["ignore_index"], arguments["reduction"],
-                              chunks, cast_to=value.dtype if dtypes != {value.dtype} else None))
-    return tuple(heads)
+    inputs = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
+    (output,) = graph.find_nodes(op="output")
+    outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else None
+    heads = (_match(n, inputs, outputs) for n in graph.nodes if _is_call(n, {F.cross_entropy}))
+    return tuple(h for h in heads if h is not None)
 
 
 def chunk_loss_heads(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[LossHead, ...]]:
     """A copy of `gm` with every loss head chunked (see the module docstring), and the heads.
-    Returns `gm` itself and () when no loss head matches."""
+    Returns `gm` itself and () when no loss head matches. Where a head's logits are returned,
+    its hidden states may be returned too, after the graph's own outputs: run the copy's outputs
+    through `with_logits_gradients` (memcompile's backend does; or call `chunked_heads_forward`)."""
     heads = find_loss_heads(gm.graph)
     if not heads:
         return gm, ()
+    (output,) = gm.graph.find_nodes(op="output")
+    at = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 0
+    placed = []
+    for head in heads:
+        if head.returned and head.hidden_input is None:
+            head, at = dataclasses.replace(head, hidden_output=at), at + 1
+        placed.append(head)
+    heads = tuple(placed)
     return rewritten_copy(gm, heads, _rewrite), heads
 
 
+def with_logits_gradients(heads: Sequence[LossHead], outputs: Any, args: Sequence[Any]) -> Any:
+    """The outputs of a graph chunk_loss_heads rewrote, as the original graph returns them (called
+    with its inputs `args`): the returned logits with their gradient path (loss_ops), the hidden
+    states returned for it dropped."""
+    returning = [h for h in heads if h.returned_at]
+    if not returning:
+        return outputs
+    values = list(outputs)
+    for head in returning:
+        hidden = args[head.hidden_input] if head.hidden_input is not None else values[head.hidden_output]
+        bias = args[head.bias_input] if head.bias_input is not None else None
+        logits = loss_ops.with_logits_gradient(values[head.returned_at[0]], hidden, args[head.weight_input], bias,
+                                               head.logit_scale)
+        for i in head.returned_at:
+            values[i] = logits
+    kept = len(values) - sum(h.hidden_output is not None for h in returning)
+    return type(outputs)(values[:kept]) if isinstance(outputs, tuple) else values[:kept]
+
+
+def chunked_heads_forward(gm: fx.GraphModule):
+    """A Dynamo backend's result for `gm` with its loss heads chunked, run eagerly (tests, probes)."""
+    chunked, heads = chunk_loss_heads(gm)
+    return lambda *args: with_logits_gradients(heads, chunked.forward(*args), args)
+
+
 def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> None:
-    ce, view, linear = by_name[head.cross_entropy], by_name[head.logits_view], by_name[head.linear]
-    upcast = by_name[head.upcast] if head.upcast else None
+    ce, linear = by_name[head.cross_entropy], by_name[head.linear]
     hidden, weight = linear.args[0], linear.args[1]
     bias = linear.args[2] if len(linear.args) > 2 else None
     target = by_name[head.target]
@@ -200,18 +398,33 @@ def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> No
     add = node_adder(graph, ce)
 
     with graph.inserting_before(ce):
-        if head.cast_to is not None:
-            hidden, weight = (add("call_method", "to", (x, head.cast_to)) for x in (hidden, weight))
-            bias = add("call_method", "to", (bias, head.cast_to)) if isinstance(bias, fx.Node) else bias
         flat = add("call_method", "reshape", (hidden, -1, head.hidden))
-        out = add("call_function", loss_ops.FORWARD, (flat, weight, bias, target, head.ignore_index, rows))
+        if head.cast_to is not None:
+            flat, weight = (add("call_method", "to", (x, head.cast_to)) for x in (flat, weight))
+            bias = add("call_method", "to", (bias, head.cast_to)) if isinstance(bias, fx.Node) else bias
+        if head.seq_window is not None:
+            # the op computes every position: those the loss does not read get ignore_index
+            start, stop = head.seq_window
+            lead, length = head.logits_shape[:-2], head.logits_shape[-2]
+            target = add("call_method", "reshape", (target, *lead, stop - start))
+            target = add("call_function", F.pad, (target, (start, length - stop), "constant", head.ignore_index))
+            target = add("call_method", "reshape", (target, -1))
+        out = add("call_function", loss_ops.FORWARD, (flat, weight, bias, target, head.ignore_index, rows,
+                                                      head.label_smoothing, head.logit_scale, bool(head.returned)))
         loss = add("call_function", operator.getitem, (out, 0))
         if head.reduction == "mean":
             # PyTorch's mean over the targets it counts (0/0 = nan when none is, as in eager)
             counted = add("call_function", operator.ne, (target, head.ignore_index))
             count = add("call_method", "sum", (counted,))
             loss = add("call_function", operator.truediv, (loss, count))
+        if head.returned:
+            logits = add("call_function", operator.getitem, (out, 4))
+            logits = add("call_method", "view", (logits, *head.logits_shape))
     ce.replace_all_uses_with(loss)
-    for node in (ce, view, upcast, linear):
-        if node is not None:
-            graph.erase_node(node)
+    (output,) = graph.find_nodes(op="output")
+    for name in head.returned:
+        by_name[name].replace_all_uses_with(logits, delete_user_cb=lambda user: user is output)
+    if head.hidden_output is not None:
+        output.args = ((*output.args[0], hidden),)
+    for node in (ce, *reversed([by_name[n] for n in head.steps]), linear):
+        graph.erase_node(node)

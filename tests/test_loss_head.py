@@ -1,10 +1,14 @@
-"""Chunking linear -> cross_entropy loss heads (passes/loss_head.py): same loss and gradients as
-the whole head, a lower least peak, and the backend applies it where it is needed or estimated
-faster ("auto")."""
+"""Chunking linear -> cross_entropy loss heads (passes/loss_head.py): same loss, logits and
+gradients as the whole head for every variant the matcher takes (returned logits, tied weights,
+bf16 and autocast, ignore_index, mean / sum / HF's sum over items, label smoothing, shifted
+labels, scaled logits), a lower least peak, and the backend applies it where it is needed or
+estimated faster ("auto")."""
 
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,43 +21,163 @@ from hypothesis import strategies as st
 import memcompile
 from memcompile import loss_ops
 from memcompile.cost_models.device import profile_for
-from memcompile.passes.loss_head import chunk_loss_heads, find_loss_heads
+from memcompile.passes.loss_head import chunk_loss_heads, chunked_heads_forward, find_loss_heads
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpt_style import GPT, GPTConfig  # noqa: E402
 
 
 class TinyLM(nn.Module):
-    """Embedding, a few tanh layers, then a vocabulary head and cross-entropy (the loss head)."""
+    """Embedding, a few tanh layers, then a vocabulary head and cross-entropy (the loss head),
+    written in each of the ways the matcher takes: see the keyword options."""
 
     def __init__(self, vocab: int, hidden: int, depth: int, bias: bool, upcast: bool, reduction: str,
-                 ignore_index: int, dtype: torch.dtype = torch.float32) -> None:
+                 ignore_index: int, dtype: torch.dtype = torch.float32, *, tied: bool = False,
+                 returns_logits: bool = False, label_smoothing: float = 0.0, shift: bool = False,
+                 scale: float = 1.0, over_items: bool = False, ignore_percent: int = 20) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden, dtype=dtype)
         self.layers = nn.ModuleList(nn.Linear(hidden, hidden, dtype=dtype) for _ in range(depth))
         self.head = nn.Linear(hidden, vocab, bias=bias, dtype=dtype)
+        if tied:
+            self.head.weight = self.embed.weight
         self.vocab, self.upcast, self.reduction, self.ignore_index = vocab, upcast, reduction, ignore_index
+        self.returns_logits, self.label_smoothing, self.shift, self.scale = returns_logits, label_smoothing, shift, scale
+        self.over_items, self.ignore_percent = over_items, ignore_percent
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def targets(self, ids: torch.Tensor) -> torch.Tensor:
+        # next-token targets; a pseudo-random ignore_percent of the positions ignored (as padding)
+        ignored = (ids * 7919 + 13) % 100 < self.ignore_percent
+        return torch.where(ignored, self.ignore_index, torch.roll(ids, -1, dims=1))
+
+    def forward(self, ids: torch.Tensor):
         h = self.embed(ids)
         for layer in self.layers:
             h = torch.tanh(layer(h))
         logits = self.head(h)
-        if self.upcast:
-            logits = logits.float()
-        # next-token targets; every fifth position ignored (as padding would be)
-        targets = torch.where(ids % 5 == 0, self.ignore_index, torch.roll(ids, -1, dims=1))
-        return F.cross_entropy(logits.view(-1, self.vocab), targets.view(-1), ignore_index=self.ignore_index,
-                               reduction=self.reduction)
+        if self.scale != 1.0:
+            logits = logits * self.scale  # Cohere's logit_scale
+        scores = logits.float() if self.upcast else logits
+        targets = self.targets(ids)
+        if self.shift:  # transformers 4.x: position i predicts label i + 1
+            scores, targets = scores[..., :-1, :].contiguous(), targets[..., 1:]
+        loss = F.cross_entropy(scores.view(-1, self.vocab), targets.reshape(-1), ignore_index=self.ignore_index,
+                               reduction=self.reduction, label_smoothing=self.label_smoothing)
+        if self.over_items:  # Hugging Face's sum / num_items_in_batch
+            loss = loss / (targets != self.ignore_index).sum()
+        return (logits, loss) if self.returns_logits else loss
 
 
-def _captured_graph(module: nn.Module, ids: torch.Tensor) -> torch.fx.GraphModule:
+def _captured_graph(module, *inputs: torch.Tensor) -> torch.fx.GraphModule:
     graphs = []
 
     def capture(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    torch.compile(module, backend=capture)(ids)
+    torch.compile(module, backend=capture)(*inputs)
     (gm,) = graphs
     return gm
+
+
+def _results(step, params: list[torch.Tensor], through_logits: bool = False) -> list[torch.Tensor]:
+    """[loss, logits if returned, gradients of `params`] of one step; `through_logits`: the
+    backward also runs through the returned logits (a term of the loss made from them)."""
+    for p in params:
+        p.grad = None
+    out = step()
+    logits, loss = out if isinstance(out, tuple) else (None, out)
+    (loss + 0.1 * logits.float().square().mean() if through_logits else loss).backward()
+    values = [loss.detach()] + ([logits.detach()] if logits is not None else [])
+    return values + [p.grad.clone() for p in params]
+
+
+def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor], low_precision: bool) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = max(1.0, w.float().abs().max().item()) if w.numel() else 1.0
+        if low_precision:
+            # eager rounds the logits' gradient to bf16 before the head's backward matmuls, the op
+            # keeps it in float32: a few bf16 ulps of each gradient's scale
+            torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * scale, equal_nan=True)
+        else:
+            # sums reassociated over chunks (AVX-512 float32 matmuls reassociate too): a few ulps
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * scale, equal_nan=True)
+
+
+def _chunked_through_memcompile(step, params, through_logits=False):
+    """The step's results compiled by memcompile with the head chunked (chunk_loss=True), and its plan."""
+    torch.compiler.reset()
+    backend = memcompile.budget(10**12, codegen="aot_eager", chunk_loss=True, time_limit_s=5)
+    got = _results(lambda: torch.compile(step, backend=backend)(), params, through_logits)
+    torch.compiler.reset()
+    (plan,) = backend.plans
+    return got, plan
+
+
+VARIANTS = {
+    "returned": dict(returns_logits=True),
+    "returned_and_backpropagated": dict(returns_logits=True, through_logits=True),
+    "tied": dict(tied=True),
+    "tied_returned_ignore_minus_1": dict(tied=True, returns_logits=True, ignore_index=-1),
+    "bf16_upcast": dict(dtype=torch.bfloat16, upcast=True),
+    "bf16_upcast_returned": dict(dtype=torch.bfloat16, upcast=True, returns_logits=True),
+    "autocast": dict(autocast=True),
+    "autocast_upcast_returned_tied": dict(autocast=True, upcast=True, returns_logits=True, tied=True),
+    "sum": dict(reduction="sum"),
+    "sum_over_items": dict(reduction="sum", over_items=True),
+    "ignore_index_is_a_class": dict(ignore_index=0),
+    "label_smoothing_mean": dict(label_smoothing=0.1),
+    "label_smoothing_sum_returned": dict(label_smoothing=0.2, reduction="sum", returns_logits=True),
+    "shifted": dict(shift=True, upcast=True),
+    "shifted_returned_backpropagated": dict(shift=True, returns_logits=True, through_logits=True),
+    "scaled_returned": dict(scale=0.0625, returns_logits=True, upcast=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_head_variant_is_lossless_through_memcompile(variant: str) -> None:
+    """One head of each kind, compiled by memcompile with chunk_loss=True: it is chunked, and its
+    loss, returned logits and gradients are eager's (float reassociation), ignored targets present."""
+    options = dict(VARIANTS[variant])
+    autocast, through_logits = options.pop("autocast", False), options.pop("through_logits", False)
+    spec = dict(vocab=512, hidden=16, depth=1, bias=True, upcast=False, reduction="mean", ignore_index=-100)
+    spec.update((k, options.pop(k)) for k in list(options) if k in spec)
+    torch.manual_seed(0)
+    model = TinyLM(**spec, **options)
+    ids = torch.randint(0, 512, (2, 64))
+    assert (model.targets(ids) == spec["ignore_index"]).any()
+
+    def step():
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(ids)
+        return model(ids)
+
+    params = list(model.parameters())
+    got, plan = _chunked_through_memcompile(step, params, through_logits)
+    (rewrite,) = plan.graph_rewrites
+    assert "chunked into 8" in rewrite
+    assert ("logits also returned" in rewrite) == bool(options.get("returns_logits"))
+    assert ("tied weights" in rewrite) == bool(options.get("tied"))
+    _assert_same(got, _results(step, params, through_logits), low_precision=autocast or "dtype" in options)
+
+
+def test_the_gpt_style_models_head_is_chunked_losslessly() -> None:
+    """benchmarks/gpt_style.py as a training loop runs it: (logits, loss) with tied embeddings and
+    ignore_index=-1 targets; the rewrite takes its head, and what eager returns is returned."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=1024, n_layer=1, n_head=2, n_embd=32))
+    idx = torch.randint(0, 1024, (2, 64))
+    targets = torch.roll(idx, -1, dims=1)
+    targets[:, ::5] = -1
+    (head,) = find_loss_heads(_captured_graph(model, idx, targets).graph)
+    assert head.returned and head.tied and head.ignore_index == -1 and head.hidden_input is None
+    params = list(model.parameters())
+    got, plan = _chunked_through_memcompile(lambda: model(idx, targets), params)
+    assert "logits also returned; tied weights" in plan.graph_rewrites[0]
+    _assert_same(got, _results(lambda: model(idx, targets), params), low_precision=False)
 
 
 def _lm_cases():
@@ -63,58 +187,55 @@ def _lm_cases():
         "depth": st.integers(0, 2),
         "bias": st.booleans(),
         "reduction": st.sampled_from(["mean", "sum"]),
-        "ignore_index": st.sampled_from([-100, 0, 3]),
-        "dtype": st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
-        "batch": st.integers(1, 4),
-        "seq": st.integers(16, 80),
+        "ignore_index": st.sampled_from([-100, -1, 0, 3]),
+        "ignore_percent": st.integers(0, 60),
+        "precision": st.sampled_from(["float32", "float32", "bf16", "autocast"]),
+        "upcast": st.booleans(),
+        "tied": st.booleans(),
+        "returns_logits": st.booleans(),
+        "through_logits": st.booleans(),
+        "label_smoothing": st.sampled_from([0.0, 0.0, 0.1]),
+        "shift": st.booleans(),
+        "scale": st.sampled_from([1.0, 1.0, 0.5]),
+        "batch": st.integers(1, 3),
+        "seq": st.integers(16, 64),
     })
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=_lm_cases(), seed=st.integers(0, 2**16))
 def test_chunked_head_gives_the_same_loss_and_gradients(case: dict, seed: int) -> None:
-    torch._dynamo.reset()  # per example: every example is a new model
+    """Random heads through memcompile (chunk_loss=True): matched exactly where the rewrite can
+    take them (bf16 logits reach the loss upcast, or under autocast), and then eager's results."""
     torch.manual_seed(seed)
-    dtype = case.pop("dtype")
-    batch, seq = case.pop("batch"), case.pop("seq")
-    # bf16 logits reach cross_entropy only upcast (the Hugging Face heads do logits.float())
-    model = TinyLM(**case, upcast=dtype != torch.float32 or seed % 2 == 0, dtype=dtype)
+    precision, batch, seq = case.pop("precision"), case.pop("batch"), case.pop("seq")
+    through_logits = case.pop("through_logits") and case["returns_logits"]
+    model = TinyLM(**case, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
     ids = torch.randint(0, case["vocab"], (batch, seq))
-    gm = _captured_graph(model, ids)
-    chunked, heads = chunk_loss_heads(gm)
-    tokens = batch * seq
+
+    def step():
+        if precision == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(ids)
+        return model(ids)
+
+    tokens = batch * seq  # the op computes every position, shifted or not
     # chunks of >= 16 token rows whose logits are about 4x the hidden states, at most 16
     chunks = min(16, math.ceil(case["vocab"] / (4 * case["hidden"])), tokens // 16)
-    if chunks < 2:
-        assert heads == () and chunked is gm  # too few tokens to split
-        return
-    (head,) = heads
-    assert (head.tokens, head.vocab, head.hidden, head.reduction, head.chunks) == (
-        tokens, case["vocab"], case["hidden"], case["reduction"], chunks)
-    names = {n.name for n in chunked.graph.nodes}
-    assert head.linear not in names and head.cross_entropy not in names
-    # one call of the chunked op, and no whole-vocabulary logits left
-    (call,) = [n for n in chunked.graph.nodes if n.target is loss_ops.FORWARD]
-    assert call.args[4:] == (case["ignore_index"], math.ceil(tokens / chunks))
-    assert not find_loss_heads(chunked.graph)
-    assert not [n for n in chunked.graph.nodes if n.target is F.cross_entropy]
-
+    takes = chunks >= 2 and (precision != "bf16" or case["upcast"])  # bf16 loss: PyTorch's, not the op's
+    heads = find_loss_heads(_captured_graph(step).graph)
+    assert len(heads) == takes
+    if takes:
+        (head,) = heads
+        assert (head.tokens, head.vocab, head.hidden, head.reduction, head.chunks, head.ignore_index) == (
+            tokens, case["vocab"], case["hidden"], case["reduction"], chunks, case["ignore_index"])
+        assert bool(head.returned) == case["returns_logits"] and head.tied == case["tied"]
+        assert (head.label_smoothing, head.logit_scale) == (case["label_smoothing"], case["scale"])
+        assert head.seq_window == ((0, seq - 1) if case["shift"] else None)
     params = list(model.parameters())
-    eager_grads = grads(params, lambda: model(ids))
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=lambda g, ex: chunk_loss_heads(g)[0].forward)
-    chunked_grads = grads(params, lambda: compiled(ids))
-    eager_loss, chunked_loss = model(ids), compiled(ids)
-    # float32: sums reassociated over chunks, a few ulps. bf16: eager rounds the logits' gradient
-    # to bf16 before the head's backward matmuls, the op keeps it in float32: a few bf16 ulps of
-    # each gradient's scale
-    for got, want in zip([chunked_loss, *chunked_grads], [eager_loss, *eager_grads]):
-        if dtype == torch.float32:
-            # atol: a few ulps of the gradient's scale (AVX-512 float32 matmuls reassociate too)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(1.0, want.abs().max().item()))
-        else:
-            scale = want.abs().max().float().item()
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    got, plan = _chunked_through_memcompile(step, params, through_logits)
+    assert len(plan.graph_rewrites) == takes
+    _assert_same(got, _results(step, params, through_logits), low_precision=precision != "float32")
 
 
 def test_heads_the_rewrite_must_not_touch_are_left_alone() -> None:
@@ -124,13 +245,10 @@ def test_heads_the_rewrite_must_not_touch_are_left_alone() -> None:
     embed = nn.Embedding(300, 16)
     targets = torch.roll(ids, -1, dims=1).view(-1)
 
-    def smoothed(x):
-        return F.cross_entropy(head(embed(x)).view(-1, 300), targets, label_smoothing=0.1)
-
     def weighted(x):
         return F.cross_entropy(head(embed(x)).view(-1, 300), targets, weight=torch.ones(300))
 
-    def logits_also_returned(x):
+    def logits_read_by_the_loss_too(x):  # their gradient inside the graph needs them whole
         logits = head(embed(x))
         return F.cross_entropy(logits.view(-1, 300), targets) + logits.mean()
 
@@ -140,7 +258,34 @@ def test_heads_the_rewrite_must_not_touch_are_left_alone() -> None:
     def not_a_linear(x):
         return F.cross_entropy(torch.tanh(head(embed(x))).view(-1, 300), targets)
 
-    for fn in (smoothed, weighted, logits_also_returned, per_token, not_a_linear):
+    def softcapped(x):  # Gemma 2's final logit softcapping
+        return F.cross_entropy((torch.tanh(head(embed(x)) / 30.0) * 30.0).view(-1, 300), targets)
+
+    head_bf16 = nn.Linear(16, 300, dtype=torch.bfloat16)
+
+    def bf16_loss(x):  # no upcast, no autocast: PyTorch computes this loss in bf16
+        return F.cross_entropy(head_bf16(embed(x).bfloat16()).view(-1, 300), targets)
+
+    def upcast_returned(x):  # the returned tensor is the upcast copy, not the op's logits
+        logits = head(embed(x)).float()
+        return logits, F.cross_entropy(logits.view(-1, 300), targets)
+
+    def unscaled_returned(x):  # the loss reads scaled logits, the graph returns them unscaled
+        logits = head(embed(x))
+        return logits, F.cross_entropy((logits * 0.5).view(-1, 300), targets)
+
+    def scaled_by_a_tensor(x):
+        return F.cross_entropy((head(embed(x)) * torch.tensor(0.5)).view(-1, 300), targets)
+
+    def every_other_position(x):
+        return F.cross_entropy(head(embed(x))[:, ::2].reshape(-1, 300), targets[:64])
+
+    def a_slice_of_the_vocabulary(x):
+        return F.cross_entropy(head(embed(x))[..., :200].reshape(-1, 200), targets.clamp(max=199))
+
+    rejected = (weighted, logits_read_by_the_loss_too, per_token, not_a_linear, softcapped, bf16_loss,
+                upcast_returned, unscaled_returned, scaled_by_a_tensor, every_other_position, a_slice_of_the_vocabulary)
+    for fn in rejected:
         torch._dynamo.reset()
         gm = _captured_graph(fn, ids)
         assert find_loss_heads(gm.graph) == (), fn.__name__
@@ -151,6 +296,160 @@ def test_heads_the_rewrite_must_not_touch_are_left_alone() -> None:
 
     torch._dynamo.reset()
     assert len(find_loss_heads(_captured_graph(plain, ids).graph)) == 1  # the same head, unmodified, matches
+
+
+HF_HEADS = {
+    # class: (config class, config overrides); every one returns its logits and upcasts them
+    "GPT2LMHeadModel": ("GPT2Config", dict(n_layer=1, n_embd=32, n_head=2)),
+    "LlamaForCausalLM": ("LlamaConfig", dict(num_key_value_heads=1)),
+    "Qwen2ForCausalLM": ("Qwen2Config", dict(num_key_value_heads=1)),
+    "GemmaForCausalLM": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=16)),
+    "OPTForCausalLM": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32)),
+    "PhiForCausalLM": ("PhiConfig", {}),
+    "CohereForCausalLM": ("CohereConfig", {}),
+}
+
+
+def _hf_causal_lm(name: str):
+    transformers = pytest.importorskip("transformers")
+    config_class, overrides = HF_HEADS[name]
+    sizes = {} if name == "GPT2LMHeadModel" else dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                                        intermediate_size=64)
+    if name == "OPTForCausalLM":
+        sizes.pop("intermediate_size")
+    config = getattr(transformers, config_class)(vocab_size=512, use_cache=False, bos_token_id=0, eos_token_id=0,
+                                                 pad_token_id=0, **sizes, **overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config)
+    model.loss_type = "ForCausalLM"  # looked up from the class name at call time otherwise (a graph break)
+    model.train()
+    ids = torch.randint(0, 512, (2, 64))
+    labels = ids.clone()
+    labels[:, -9:] = -100  # padding at the end of each sequence
+
+    def step():
+        out = model(input_ids=ids, labels=labels)
+        return out.logits, out.loss
+
+    return model, step
+
+
+@pytest.mark.parametrize("name", list(HF_HEADS))
+def test_hugging_face_causal_lm_heads_match(name: str) -> None:
+    """ForCausalLMLoss as Dynamo traces it (upcast, labels shifted by a pad, ignore_index=-100)
+    with the logits returned: every surveyed class's head is taken (tied where the class ties)."""
+    model, step = _hf_causal_lm(name)
+    (head,) = find_loss_heads(_captured_graph(step).graph)
+    assert head.returned and head.ignore_index == -100 and head.reduction == "mean"
+    assert head.tied == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    if name == "CohereForCausalLM":
+        assert head.logit_scale == model.config.logit_scale
+
+
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_hugging_face_heads_are_lossless_through_memcompile(name: str) -> None:
+    model, step = _hf_causal_lm(name)
+    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    params = list(model.parameters())
+    got, plan = _chunked_through_memcompile(step, params)
+    assert "logits also returned" in plan.graph_rewrites[0]
+    _assert_same(got, _results(step, params), low_precision=False)
+
+
+def _floor_and_measured(model: nn.Module, inputs: tuple, chunk_loss) -> tuple[int, int]:
+    """(min_feasible_bytes of budget(1), the peak measured at it) of a `(logits, loss)` step run
+    as a training loop runs it: the logits held through the backward."""
+    def step(compiled):
+        def run():
+            logits, loss = compiled(*inputs)
+            loss.backward()
+            return logits
+        return run
+
+    torch.compiler.reset()
+    options = dict(codegen="aot_eager", chunk_loss=chunk_loss, time_limit_s=5)
+    with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+        step(torch.compile(model, backend=memcompile.budget(1, **options)))()
+    floor = info.value.min_feasible_bytes
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend=memcompile.budget(floor, **options))
+    step(compiled)()
+    model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(step(compiled), live_at_start=[model, *inputs]).peak_bytes
+    model.zero_grad(set_to_none=True)
+    torch.compiler.reset()
+    return floor, measured
+
+
+def test_returned_logits_are_held_once_and_their_gradient_never_whole() -> None:
+    """The GPT-style step with its logits returned and held: chunked, the floor drops by more than
+    two logits (the copy saved for the loss, their gradient, the zero tangent autograd gives a
+    returned tensor), and each floor is measured within itself (the held logits counted to the end)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=2048, n_layer=1, n_head=2, n_embd=32))
+    idx = torch.randint(0, 2048, (2, 64))
+    targets = torch.roll(idx, -1, dims=1)
+    targets[:, ::6] = -1
+    logits_bytes = 2 * 64 * 2048 * 4
+    whole_floor, whole_measured = _floor_and_measured(model, (idx, targets), chunk_loss=False)
+    chunked_floor, chunked_measured = _floor_and_measured(model, (idx, targets), chunk_loss="auto")
+    assert whole_measured <= whole_floor and chunked_measured <= chunked_floor
+    assert chunked_floor < whole_floor - 2 * logits_bytes
+    assert chunked_floor > logits_bytes  # they exist, as the caller expects
+
+
+def test_a_returned_head_whose_hidden_states_are_a_graph_input() -> None:
+    """A graph that starts at the head (a graph break before it, or per-block compiling): the
+    returned logits' gradient path reads h from the call's inputs; nothing extra is returned."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 512)
+    h = torch.randn(2, 64, 16, requires_grad=True)
+    targets = torch.randint(0, 512, (2, 64))
+    targets[:, ::3] = -1
+
+    def step():
+        logits = head(h)
+        return logits, F.cross_entropy(logits.view(-1, 512), targets.view(-1), ignore_index=-1)
+
+    (found,) = find_loss_heads(_captured_graph(step).graph)
+    assert found.returned and found.hidden_input is not None
+    params = [h, *head.parameters()]
+    got, plan = _chunked_through_memcompile(step, params, through_logits=True)
+    assert "logits also returned" in plan.graph_rewrites[0]
+    _assert_same(got, _results(step, params, through_logits=True), low_precision=False)
+
+
+def test_returned_logits_gradient_path_runs_only_when_used(monkeypatch) -> None:
+    """Backpropagating the loss alone never runs the returned logits' own gradient path (no head
+    matmul over a zero gradient); a backward through them does, and reaches the embedding."""
+    calls = []
+    backward = loss_ops._LogitsGradient.backward
+
+    def counted(ctx, grad):
+        calls.append(grad.shape)
+        return backward(ctx, grad)
+
+    monkeypatch.setattr(loss_ops._LogitsGradient, "backward", staticmethod(counted))
+    torch.manual_seed(0)
+    model = TinyLM(vocab=512, hidden=16, depth=1, bias=True, upcast=False, reduction="mean", ignore_index=-1,
+                   returns_logits=True, tied=True)
+    ids = torch.randint(0, 512, (2, 64))
+    (head,) = find_loss_heads(_captured_graph(model, ids).graph)
+    assert head.returned and head.tied
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=lambda gm, _: chunked_heads_forward(gm))
+    logits, loss = compiled(ids)
+    loss.backward()
+    assert calls == []
+    model.zero_grad(set_to_none=True)
+    logits, _ = compiled(ids)
+    logits.sum().backward()
+    assert calls == [logits.shape]
+    want = torch.autograd.grad(model(ids)[0].sum(), model.embed.weight)[0]
+    torch.testing.assert_close(model.embed.weight.grad, want, rtol=1e-5, atol=1e-6)
 
 
 def _head_bound_lm() -> tuple[TinyLM, torch.Tensor]:
@@ -276,29 +575,48 @@ def test_chunk_loss_option_is_validated(value) -> None:
         memcompile.budget("1GB", chunk_loss=value)
 
 
+def _floor(model: nn.Module, inputs: tuple, **options) -> int:
+    torch.compiler.reset()
+    with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+        torch.compile(model, backend=memcompile.budget(1, time_limit_s=5, **options))(*inputs)[1].backward()
+    torch.compiler.reset()
+    return info.value.min_feasible_bytes
+
+
 @pytest.mark.inductor
 def test_inductor_meets_a_budget_only_the_chunked_head_fits() -> None:
-    model, ids = _head_bound_lm()
-    whole_floor, _ = budget_range(model, ids, chunk_loss=False, codegen="inductor")
-    chunked_floor, _ = budget_range(model, ids, chunk_loss=True, codegen="inductor")
-    assert chunked_floor < whole_floor
+    """Inductor end to end, the head as GPT-style code writes it: logits returned (and held through
+    the backward), tied embeddings, ignore_index=-1 targets present."""
+    torch.manual_seed(0)
+    model = TinyLM(vocab=1024, hidden=32, depth=2, bias=True, upcast=False, reduction="mean", ignore_index=-1,
+                   tied=True, returns_logits=True)
+    ids = torch.randint(0, 1024, (4, 128))
+    whole_floor = _floor(model, (ids,), chunk_loss=False, chunk_mlp=False)
+    chunked_floor = _floor(model, (ids,), chunk_mlp=False)
+    assert chunked_floor < whole_floor - 3 * 512 * 1024 * 4 // 2  # 2 MiB logits: 1.5 of them fewer
     budget = (chunked_floor + whole_floor) // 2
     params = list(model.parameters())
-    eager = grads(params, lambda: model(ids))
-    backend, compiled = compile_under(model, budget, codegen="inductor")
-    got = grads(params, lambda: compiled(ids))
-    for g, want in zip(got, eager):
-        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
-    measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
-    assert backend.plans[-1].graph_rewrites
+    backend, compiled = compile_under(model, budget, codegen="inductor", chunk_mlp=False)
+    _assert_same(_results(lambda: compiled(ids), params), _results(lambda: model(ids), params), low_precision=False)
+    model.zero_grad(set_to_none=True)
+
+    def step():
+        logits, loss = compiled(ids)
+        loss.backward()
+        return logits  # held through the backward
+
+    measured = memcompile.measure_peak(step, live_at_start=[model, ids])
+    assert "logits also returned; tied weights" in backend.plans[-1].graph_rewrites[0]
     assert measured.peak_bytes <= budget
 
 
 @settings(max_examples=15, deadline=None)
 @given(tokens=st.integers(16, 600), hidden=st.sampled_from([8, 24, 64]), vocab=st.integers(50, 1500),
        rows=st.integers(8, 128), bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       smoothing=st.sampled_from([0.0, 0.1]), scale=st.sampled_from([1.0, 0.5]), keep=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_op_scratch_is_what_the_allocator_sees(tokens, hidden, vocab, rows, bias, dtype, seed) -> None:
+def test_op_scratch_is_what_the_allocator_sees(tokens, hidden, vocab, rows, bias, dtype, smoothing, scale, keep,
+                                               seed) -> None:
     # What the check charges while the ops run (loss_ops.workspace_bytes), against the allocator's
     # events: never less; in float32 at most 8 KiB more (small index and mask tensors that do not
     # all coexist), in bf16 an over-count.
@@ -308,10 +626,10 @@ def test_op_scratch_is_what_the_allocator_sees(tokens, hidden, vocab, rows, bias
     target = torch.randint(0, vocab, (tokens,))
     target[::3] = -100
     live = [h, weight, target] + ([b] if bias else [])
-    measured = memcompile.measure_peak(
-        lambda: loss_ops.chunked_linear_cross_entropy(h, weight, b, target, -100, rows), live_at_start=live)
+    args = (h, weight, b, target, -100, rows, smoothing, scale, keep)
+    measured = memcompile.measure_peak(lambda: loss_ops.chunked_linear_cross_entropy(*args), live_at_start=live)
     outputs = sum(t.numel() * t.element_size() for t in measured.result)
-    charged = loss_ops.workspace_bytes(loss_ops.FORWARD, (h, weight, b, target, -100, rows))
+    charged = loss_ops.workspace_bytes(loss_ops.FORWARD, args)
     scratch = measured.rise_bytes - outputs
     assert charged >= scratch
     if dtype == torch.float32:
@@ -355,7 +673,7 @@ def test_the_backward_only_scales_the_gradients_the_forward_computed() -> None:
     target = torch.randint(0, vocab, (tokens,))
     target[::4] = -100
     with FlopCounterMode(display=False) as forward:
-        total = loss_ops.chunked_linear_cross_entropy(h, weight, bias, target, -100, 32)[0]
+        total = loss_ops.chunked_linear_cross_entropy(h, weight, bias, target, -100, 32, 0.0, 1.0, False)[0]
     assert forward.get_total_flops() == 6 * tokens * hidden * vocab
     with FlopCounterMode(display=False) as backward:
         (0.5 * total).backward()
