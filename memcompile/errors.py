@@ -24,3 +24,12 @@ class InfeasibleBudgetError(ValueError):
 def _rebuild_infeasible(message, budget_bytes, min_feasible_bytes, contributors):
     return InfeasibleBudgetError(message, budget_bytes=budget_bytes,
                                  min_feasible_bytes=min_feasible_bytes, contributors=contributors)
+
+
+class PlannedOnly(Exception):
+    """A graph was planned by a backend in plan-only mode (memcompile.max_batch): its plan, and no
+    compiled code. Raised from the compiled callable instead of running the step."""
+
+    def __init__(self, plan: object) -> None:
+        super().__init__(f"memcompile: planned {getattr(plan, 'graph_id', 'a graph')} only (no step run)")
+        self.plan = plan

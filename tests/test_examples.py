@@ -96,10 +96,26 @@ def test_per_block_below_the_least_joint_plan_raises_the_typed_error_and_its_min
     assert max(r.step_peaks_bytes) <= r.predicted_step_peak_bytes <= r.budget_bytes
 
 
-def test_hugging_face_trainer_tiny_llama():
+def test_hugging_face_trainer_compile_for_trainer_reserves_the_trainers_adamw_state():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     r = _example("hf_trainer").run(steps=2, **FAST)
+    _assert_all_close(r.compiled.first_grads, r.eager.first_grads)
+    torch.testing.assert_close(torch.tensor(r.compiled.losses), torch.tensor(r.eager.losses), rtol=1e-5, atol=0)
+    state = r.compiled.optimizer_state_bytes
+    assert state > 0
+    # the callback counted the Trainer's optimizer (created inside train()) before anything compiled
+    assert all(p.optimizer_reserve_bytes == p.reserve_bytes == state for p in r.plans)
+    assert all("AdamW" in p.optimizer_source for p in r.plans)
+    assert max(r.eager.step_peaks) > r.budget_bytes - state  # the step budget binds
+    assert _recomputes(r.plans)
+    assert max(r.compiled.step_peaks) + state <= r.budget_bytes
+
+
+def test_hugging_face_trainer_tiny_llama_by_name():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    r = _example("hf_trainer").run_by_name(steps=2, **FAST)
     _assert_all_close(r.compiled.first_grads, r.eager.first_grads)
     torch.testing.assert_close(torch.tensor(r.compiled.losses), torch.tensor(r.eager.losses), rtol=1e-5, atol=0)
     assert len(r.compiled.losses) == 2
