@@ -85,7 +85,8 @@ class Partitioner(tp.PartitionerBase):
         if record is not None and record.graph_rewrites:
             plan = dataclasses.replace(plan, graph_rewrites=record.graph_rewrites,
                                        rewrite_time_s=record.rewrite_time_s)
-        if record is not None and len(record.input_names) == sum(map(tp.is_primal, gm.graph.find_nodes(op="placeholder"))):
+        primals = sum(map(tp.is_primal, gm.graph.find_nodes(op="placeholder")))
+        if record is not None and len(record.input_names) == primals:  # primals_N: the N-th graph input
             plan = dataclasses.replace(plan, peak_tensors=with_input_names(plan.peak_tensors, record.input_names))
         if record is not None:
             record.plan = plan

@@ -77,7 +77,8 @@ def _check_bounds(lo: object, hi: object) -> None:
         if value is None and name == "hi":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"max_batch: {name}={value!r}: expected an int >= 1" + (" or None" if name == "hi" else ""))
+            expected = "an int >= 1" + (" or None" if name == "hi" else "")
+            raise ValueError(f"max_batch: {name}={value!r}: expected {expected}")
     if hi is not None and hi < lo:
         raise ValueError(f"max_batch: hi={hi} is below lo={lo}")
 
@@ -117,8 +118,8 @@ def _limit_text(batch: int, failed: tuple[BatchProbe, InfeasibleBudgetError | Pl
         return f"{at}; hi={hi} reached, larger batches not tried"
     probe, why = failed
     if isinstance(why, InfeasibleBudgetError):
-        parts = ", ".join(f"{c.replace('_', ' ')} {format_bytes(b)}" for c, b in sorted(why.contributors, key=lambda x: -x[1])
-                          if b)
+        largest = sorted(why.contributors, key=lambda cb: -cb[1])
+        parts = ", ".join(f"{c.replace('_', ' ')} {format_bytes(b)}" for c, b in largest if b)
         return (f"{at}; batch {probe.batch} needs a budget of at least {format_bytes(probe.need_bytes)} "
                 f"(budget {format_bytes(budget_bytes)})" + (f"; at its least peak: {parts}" if parts else ""))
     return f"{at}; batch {probe.batch}'s plan peaks at {format_bytes(why.predicted_peak_bytes)}, over the step budget"

@@ -79,8 +79,9 @@ def resolve_relative(spec: str, memory: DeviceMemory) -> ResolvedBudget:
     if spec == FREE:
         margin = int(FREE_MARGIN * memory.free_bytes)
         budget = memory.free_bytes - margin
-        source = (f"free at the first call on {memory.device.replace('cpu', 'the CPU')}: {format_bytes(memory.free_bytes)} "
-                  f"({memory.free_source}) minus a {FREE_MARGIN:.0%} margin of {format_bytes(margin)}")
+        where = "the CPU" if memory.device == "cpu" else memory.device
+        source = (f"free at the first call on {where}: {format_bytes(memory.free_bytes)} ({memory.free_source}) "
+                  f"minus a {FREE_MARGIN:.0%} margin of {format_bytes(margin)}")
     else:
         fraction = float(spec.rstrip("%")) / 100
         budget = int(fraction * memory.total_bytes)

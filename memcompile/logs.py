@@ -29,9 +29,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from memcompile.plan import Plan, format_bytes, status_words
+
+if TYPE_CHECKING:
+    from memcompile.options import Options
 
 NAME = "memcompile"
 log = logging.getLogger(NAME)
@@ -145,7 +148,7 @@ def region_line(what: str, plan: Plan, wall_s: float) -> str:
             f"(estimate); solve {plan.solve_s:.2f} s, check {plan.check_s:.2f} s{rewrites}")
 
 
-def step_summary(step_peak_bytes: int, options: object, regions: int, calls: int, compile_s: float) -> str:
+def step_summary(step_peak_bytes: int, options: "Options", regions: int, calls: int, compile_s: float) -> str:
     """The first step's end: its predicted peak against the budget, and where the budget came from."""
     budget, step_budget = options.budget_bytes, options.step_budget_bytes
     source = f" ({options.budget_source})" if options.budget_source else ""

@@ -16,8 +16,9 @@ device hold, 8-bit states included), else from the algorithm for the optimizers 
 
 Any other optimizer whose state is not populated yet raises TypeError: call again after its
 first step(), or pass what it holds as `reserve=`. Parameters without requires_grad get no state
-(unless it is there already: Adagrad makes its state in its constructor). Not counted: what `optimizer.step()` allocates while it runs (the foreach implementations'
-temporaries): the step's forward and backward are over by then, with their activations freed.
+(unless it is there already: Adagrad makes its state in its constructor). Not counted: what
+`optimizer.step()` allocates while it runs (the foreach implementations' temporaries): the step's
+forward and backward are over by then, with their activations freed.
 Wrappers with an `.optimizer` attribute (accelerate's AcceleratedOptimizer) are read through.
 """
 

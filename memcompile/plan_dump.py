@@ -132,8 +132,8 @@ def format_change(before: int, after: int) -> str:
 
 def reserve_parts(plan: Plan) -> str:
     """" (optimizer state X, cuBLAS workspaces Y)": what the reserve is made of, where known."""
-    parts = ([f"optimizer state {format_bytes(plan.optimizer_reserve_bytes)}"] if plan.optimizer_reserve_bytes else []) \
-        + ([f"cuBLAS workspaces {format_bytes(plan.library_workspace_bytes)}"] if plan.library_workspace_bytes else [])
+    parts = [f"{what} {format_bytes(nbytes)}" for what, nbytes in (
+        ("optimizer state", plan.optimizer_reserve_bytes), ("cuBLAS workspaces", plan.library_workspace_bytes)) if nbytes]
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -37,7 +37,7 @@ def test_train_loop_with_adamw_reserve():
     torch.testing.assert_close(torch.tensor(r.compiled_losses), torch.tensor(r.eager_losses), rtol=1e-5, atol=0)
     assert r.eager_peak_bytes > r.budget_bytes  # the budget binds: eager would not fit
     assert _recomputes(r.plans)
-    assert all(p.reserve_bytes == r.reserve_bytes > 0 for p in r.plans)
+    assert all(p.reserve_bytes == p.optimizer_reserve_bytes == r.reserve_bytes > 0 for p in r.plans)  # optimizer=
     assert all(p.predicted_peak_bytes <= r.budget_bytes - r.reserve_bytes for p in r.plans)
     # Whole iterations (forward, backward, AdamW step) with the optimizer state live stay within the budget.
     assert len(r.compiled_peak_bytes) == 2
