@@ -626,7 +626,7 @@ th { font-weight: 600; color: #444; }
 .num { text-align: right; white-space: nowrap; }
 .swatch { display: inline-block; width: 11px; height: 11px; margin-right: 6px; border: 1px solid #777; }
 .source { color: #666; font-family: monospace; font-size: 11px; }
-.peak-tensors td:first-child { white-space: nowrap; }
+.peak-tensors td:first-child, .peak-tensors td:last-child { white-space: nowrap; }
 pre { font-size: 12px; background: #f6f8fa; padding: 12px; overflow-x: auto; }
 svg { max-width: 100%; height: auto; border: 1px solid #ddd; }
 """
