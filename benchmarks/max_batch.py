@@ -2,6 +2,7 @@
 
     python benchmarks/max_batch.py                       # GPT-2 "small", budget = plain Inductor's peak at batch 4
     python benchmarks/max_batch.py --model llama --base-batch 2
+    python benchmarks/max_batch.py --plans --budget 17487880     # memcompile.max_batch: bisection over plans
 
 Methods: plain Inductor; Inductor with torch._functorch.config.activation_memory_budget at the
 fraction that fits the most (--fractions, default 0.0, the least memory it can aim at); memcompile
@@ -12,6 +13,12 @@ A batch "fits" when the step compiles and runs (no InfeasibleBudgetError) and it
 (memcompile.measure_peak, as in pareto.py) is <= the budget. Search: doubling from --base-batch
 (halving if that does not fit) until one does not fit, then bisection. Each probe is a child
 process (fresh Dynamo, config and caches). Writes benchmarks/results/max_batch{tag}.jsonl and .md.
+
+--plans: memcompile's row from `memcompile.max_batch` instead, in one child: bisection over plans
+(each probe traces and plans the step, plan-only: no code generated, no step run), then one
+compile and measured step at the batch it returns (measured peak <= budget?) and the plan of the
+next batch (it must not fit). `--override layers=12 hidden=768 ...` changes the model's config
+(e.g. GPT-2 small's real one). Writes benchmarks/results/max_batch{tag}_plans.json.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ RESULTS = HERE / "results"
 MARK = "MAX_BATCH_JSON:"
 
 
-def child(spec: dict) -> dict:
+def plans_child(spec: dict) -> dict:
+    """memcompile.max_batch over plans, then the found batch compiled, run and measured."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -39,7 +47,42 @@ def child(spec: dict) -> dict:
     import memcompile
     from hf_models import build
 
-    bench = build(spec["model"], spec["size"], **{spec["dim"]: spec["value"]})
+    overrides = spec.get("overrides", {})
+
+    def make_step(n, backend):
+        bench = build(spec["model"], spec["size"], **{**overrides, spec["dim"]: n})
+        compiled = torch.compile(bench.module, backend=backend, dynamic=False)
+        return lambda: compiled(*bench.inputs).backward()
+
+    t0 = time.perf_counter()
+    found = memcompile.max_batch(make_step, spec["budget"], lo=spec["lo"], hi=spec.get("hi"),
+                                 time_limit_s=spec["time_limit"])
+    search_s = time.perf_counter() - t0
+    rec = {**spec, "status": "ok", "max": found.batch, "limit": found.limit, "search_s": search_s,
+           "plan_peak_bytes": found.plan.predicted_peak_bytes,
+           "probes": [{"value": p.batch, "fits": p.fits, "need_bytes": p.need_bytes, "status": p.status,
+                       "seconds": p.seconds} for p in found.probes]}
+    if spec.get("measure", True):
+        bench = build(spec["model"], spec["size"], **{**overrides, spec["dim"]: found.batch})
+        fn = torch.compile(bench.module, backend=memcompile.budget(spec["budget"], time_limit_s=spec["time_limit"]))
+        fn(*bench.inputs).backward()
+        bench.module.zero_grad(set_to_none=True)
+        m = memcompile.measure_peak(lambda: fn(*bench.inputs).backward(), live_at_start=[bench.module, *bench.inputs])
+        rec.update(peak_bytes=m.peak_bytes, fits=m.peak_bytes <= spec["budget"], measure_s=time.perf_counter() - t0 - search_s)
+    return rec
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    if spec["method"] == "memcompile_plans":
+        return plans_child(spec)
+    torch.set_num_threads(spec["threads"])
+    sys.path.insert(0, str(HERE))
+    import memcompile
+    from hf_models import build
+
+    bench = build(spec["model"], spec["size"], **{**spec.get("overrides", {}), spec["dim"]: spec["value"]})
     rec = dict(spec)
     method = spec["method"]
     if method == "inductor_amb":
@@ -159,11 +202,30 @@ def markdown(rows: list[dict], args: argparse.Namespace, budget: int, base: dict
     return "\n".join(out)
 
 
+def plans_parent(args: argparse.Namespace, common: dict) -> int:
+    if args.budget is None:
+        base = run_child({**common, "method": "inductor", "value": args.base_batch, "budget": None}, args)
+        if base.get("status") != "ok":
+            print(base)
+            return 2
+        args.budget = base["peak_bytes"]
+    spec = {**common, "method": "memcompile_plans", "budget": args.budget, "lo": args.lo, "hi": args.hi,
+            "measure": not args.no_measure}
+    rec = run_child(spec, args)
+    (RESULTS / f"max_batch{args.tag}_plans.json").write_text(json.dumps(rec, indent=1) + "\n")
+    print(json.dumps(rec, indent=1))
+    return 0 if rec.get("status") == "ok" else 2
+
+
 def parent(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)
     common = {"model": args.model, "size": args.size, "dim": args.dim, "threads": args.threads,
               "time_limit": args.time_limit}
+    if args.override:
+        common["overrides"] = dict((k, int(v)) for k, v in (o.split("=", 1) for o in args.override))
+    if args.plans:
+        return plans_parent(args, common)
     done = []
     if args.resume and (RESULTS / f"max_batch{args.tag}.jsonl").exists():
         done = [json.loads(ln) for ln in (RESULTS / f"max_batch{args.tag}.jsonl").read_text().splitlines()]
@@ -242,6 +304,11 @@ def main() -> int:
                     help="stop bisecting (all but plain Inductor) when the first failing size is within this of the answer")
     ap.add_argument("--resume", action="store_true", help="reuse probes of an earlier run with the same tag")
     ap.add_argument("--cache-dir", help="Inductor cache directory to use (default: a fresh temporary one)")
+    ap.add_argument("--plans", action="store_true", help="memcompile's row by memcompile.max_batch (plans only)")
+    ap.add_argument("--lo", type=int, default=1, help="--plans: smallest batch")
+    ap.add_argument("--hi", type=int, help="--plans: largest batch (default: doubling)")
+    ap.add_argument("--no-measure", action="store_true", help="--plans: do not compile and measure the answer")
+    ap.add_argument("--override", nargs="*", default=[], metavar="KEY=INT", help="model config entries")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is None:

@@ -1,10 +1,11 @@
-"""A plain PyTorch training loop under a device budget, with AdamW's state passed as `reserve`.
+"""A plain PyTorch training loop under a device budget, with AdamW's state reserved (`optimizer=`).
 
     python examples/train_loop.py [--codegen inductor|aot_eager] [--steps 3]
 
 The budget is what the whole device may hold. The compiled step (parameters, gradients,
-activations, temporaries) gets the budget minus `reserve`; AdamW's two moment buffers per
-parameter live outside the step, so they are the reserve. The script trains an eager copy and a
+activations, temporaries) gets the budget minus the reserve; AdamW's two moment buffers per
+parameter live outside the step, so they are the reserve: `memcompile.budget(..., optimizer=opt)`
+counts them (before the first step, from the algorithm). The script trains an eager copy and a
 memcompile copy on the same batches, prints both losses and the measured peak of every compiled
 iteration (forward + backward + optimizer step, with the optimizer state counted as
 live) against the budget.
@@ -108,9 +109,9 @@ def run(d: int = 64, depth: int = 8, batch: int = 8, seq: int = 64, steps: int =
     # so that memcompile has to recompute activations to fit.
     reserve = adamw_state_bytes(model)
     budget = reserve + int(budget_fraction * (eager_peak - reserve))
-    backend = memcompile.budget(budget, reserve=reserve, codegen=codegen, time_limit_s=time_limit_s)
-    compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    backend = memcompile.budget(budget, optimizer=optimizer, codegen=codegen, time_limit_s=time_limit_s)
+    compiled = torch.compile(model, backend=backend)
 
     losses, grads, peaks = [], (), []
     for i, (x, target) in enumerate(data):

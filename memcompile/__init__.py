@@ -1,6 +1,6 @@
 """memcompile: train models under an absolute memory budget with torch.compile.
 
-    backend = memcompile.budget("20GB")
+    backend = memcompile.budget("20GB")              # or "90%" of the device, optimizer=opt
     model = torch.compile(model, backend=backend)
     loss = model(x).sum(); loss.backward()   # the step's peak memory stays under 20 GB
     print(memcompile.dump(backend))
@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+from memcompile import logs as _logs  # noqa: F401  (the "memcompile" logger's default: memcompile/logs.py)
 from memcompile.backend import Backend
+from memcompile.batch_search import BatchProbe, MaxBatch, max_batch
 from memcompile.plan_dump import dump as _dump_impl
 from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
                                UnplannedFrameWarning)
@@ -21,7 +23,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "Decision", "InfeasibleBudgetError", "Options", "PeakMeasurement", "Plan",
-    "PlanningFailedError", "StepOverrunError", "StepOverrunWarning", "UnplannedFrameError", "UnplannedFrameWarning", "budget", "dump", "measure_peak", "parse_bytes",
+    "PlanningFailedError", "StepOverrunError", "StepOverrunWarning", "UnplannedFrameError", "UnplannedFrameWarning",
+    "budget", "dump", "measure_peak", "parse_bytes",
+    "BatchProbe", "MaxBatch", "max_batch",
     "MissingBudgetError", "UnsupportedModeError", "last_named_backend", "named_backend",  # backend="memcompile"
 ]
 
@@ -29,10 +33,14 @@ __all__ = [
 def budget(limit: int | str, **options: object) -> Backend:
     """A torch.compile backend keeping each training step's peak tensor memory <= `limit`.
 
-    limit: bytes (int) or a size string ("20GB" = 20e9, "20GiB" = 20*2**30, "1.5 GiB").
-    options: reserve (bytes held outside the step, e.g. optimizer state), time_limit_s (solver),
-    codegen ("inductor" | "aot_eager"), device (cost profile), workers, seed, quantize (opt-in
-    lossy formats), offload, host_link_gbps, chunk_loss, chunk_mlp: see README "Options".
+    limit: bytes (int), a size string ("20GB" = 20e9, "20GiB" = 20*2**30, "1.5 GiB"), or relative
+    to the step's device, resolved at the first compiled graph: "90%" of its total memory (on the
+    CPU, of physical memory), or "free" (free at the first call, minus 5%); the plan shows the
+    bytes and where they came from (memcompile/device_budget.py).
+    options: optimizer (a torch.optim optimizer: its state is reserved, memcompile/optimizer_state.py),
+    reserve (other bytes held outside the step), time_limit_s (solver), codegen ("inductor" |
+    "aot_eager"), device (cost profile), workers, seed, quantize, offload, chunk_loss, chunk_mlp,
+    on_unplanned, on_first_step_overrun: see README "Options".
     """
     return Backend(make_options(limit, **options))
 

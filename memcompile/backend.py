@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -17,18 +18,19 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
+from memcompile import logs
 from memcompile.cost_models.device import blas_workspace_bytes, profile_for
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
 from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
 from memcompile.plan_dump import write_dump_dir
-from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
-                               UnplannedFrameWarning)
+from memcompile.errors import (InfeasibleBudgetError, PlannedOnly, PlanningFailedError, StepOverrunError,
+                               StepOverrunWarning, UnplannedFrameError, UnplannedFrameWarning)
 from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
 from memcompile.joint_plan import step_peaks as joint_step_peaks
 from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes, saved_bytes_of
-from memcompile.options import Options
-from memcompile.plan import Plan, format_bytes
+from memcompile.options import Options, with_resolved_budget
+from memcompile.plan import Plan, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
 from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, held_bytes, plan_joint_graph,
                                 predicted_inference_peak)
@@ -53,6 +55,7 @@ class _CompileRecord:
     graph_rewrites: tuple[str, ...] = ()  # what the region changed in its graph before compiling
     rewrite_time_s: float = 0.0  # what those changes are estimated to add to the step by themselves
     inference_peak_bytes: int | None = None  # an inference graph's predicted peak (no partitioner runs)
+    input_names: tuple[str, ...] = ()  # the graph's placeholders: the plan names its inputs after them
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -86,12 +89,17 @@ class Partitioner(tp.PartitionerBase):
         if record is not None and record.graph_rewrites:
             plan = dataclasses.replace(plan, graph_rewrites=record.graph_rewrites,
                                        rewrite_time_s=record.rewrite_time_s)
+        primals = sum(map(tp.is_primal, gm.graph.find_nodes(op="placeholder")))
+        if record is not None and len(record.input_names) == primals:  # primals_N: the N-th graph input
+            plan = dataclasses.replace(plan, peak_tensors=with_input_names(plan.peak_tensors, record.input_names))
         if record is not None:
             record.plan = plan
             record.inputs = inputs
         if backend is not None:
             backend.plans.append(plan)
             write_dump_dir(plan, os.environ.get("MEMCOMPILE_DUMP_DIR"))
+            if backend.plan_only:
+                raise PlannedOnly(plan)  # memcompile.max_batch: the plan, no code, no step
         if not plan.stock_inductor_rules:
             tp.mark_planned(fw, bw)
         return fw, bw
@@ -284,8 +292,9 @@ class _Region:
                     return fitted
             self._apply(rewrite)
             self.reasons[rewrite.attr] = reason
-            log.info("memcompile: %s; chunking %s: %s", self.reasons[rewrite.attr], rewrite.what,
-                     "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
+            logs.rung(f"{rewrite.what} chunked ({reason})")
+            log.debug("memcompile: %s; chunking %s: %s", self.reasons[rewrite.attr], rewrite.what,
+                      "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
             search = not deferred or i == len(pending) - 1
             try:
                 return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
@@ -295,6 +304,7 @@ class _Region:
                 errors.append(error)
         for state in reversed(unsearched):
             self._restore_head_state(state)
+            logs.rung("the least-peak search of the graphs tried")
             try:
                 return self._plan_for_position(position, outside, compile_for)
             except InfeasibleBudgetError as error:
@@ -312,10 +322,11 @@ class _Region:
             if not self._apply(rewrite, limit):
                 return None
             self.reasons[rewrite.attr] = f"{reason}; at most {limit} chunks (the fewest tried that fit)"
+            logs.rung(f"{rewrite.what} in at most {limit} chunks ({reason})")
             try:
                 return self._plan_for_position(position, outside, lambda o: compile_for(o, False))
             except (NoSolverPlanFits, InfeasibleBudgetError):
-                log.info("memcompile: no solver plan fits with %s in at most %d chunks", rewrite.what, limit)
+                log.debug("memcompile: no solver plan fits with %s in at most %d chunks", rewrite.what, limit)
                 self._restore_head_state(saved)
         return None
 
@@ -338,6 +349,7 @@ class _Region:
             return
         saved = self._head_state()
         self._apply(rewrite)
+        logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
         self.reasons[rewrite.attr] = (
             f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
             f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
@@ -347,8 +359,8 @@ class _Region:
             rewritten = None
         if rewritten is not None and rewritten.plan is not None \
                 and rewritten.plan.added_time_s + rewrite_s < plan.added_time_s:
-            log.info("memcompile: chunking %s (%s): %s", rewrite.what, self.reasons[rewrite.attr],
-                     "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
+            log.debug("memcompile: chunking %s (%s): %s", rewrite.what, self.reasons[rewrite.attr],
+                      "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
             self._first = rewritten
             self._forget_plan(plan)
             return
@@ -401,7 +413,8 @@ class _Region:
             # What other regions hold while this one runs is, for this graph, held outside it.
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
         record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites(),
-                                rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)))
+                                rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)),
+                                input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
         token = _RECORD.set(record)
         try:
             with planning_sizes(self.sizes):
@@ -529,8 +542,8 @@ class _Region:
         for i, d, symbol in self.sites:
             value = int(args[i] if d is None else args[i].shape[d])
             if value > sizes.get(symbol, 0):
-                log.info("memcompile: size %s=%d exceeds the %d planned for; re-planning", symbol, value,
-                         sizes.get(symbol, 0))
+                log.debug("memcompile: size %s=%d exceeds the %d planned for; re-planning", symbol, value,
+                          sizes.get(symbol, 0))
                 sizes[symbol] = value
         return sizes
 
@@ -597,7 +610,7 @@ class _Region:
         if footprint is not None and variant.inputs is not None and len(args) == len(variant.inputs.nbytes):
             ledger.watch_leaves(position, _freed_leaves(args, held_by_caller, variant.inputs))
         out = variant.fn(*args)
-        _on_backward(out, ledger.backward_ran)  # before user_outputs: returned logits' own path may never run
+        _on_backward(out, backend.backward_ran)  # before user_outputs: returned logits' own path may never run
         return variant.user_outputs(out, args)
 
 
@@ -641,6 +654,15 @@ def _freed_leaves(args: Sequence[Any], held_by_caller: Sequence[bool], inputs: I
     return freed
 
 
+def _raising(error: Exception) -> Callable:
+    """A compiled callable that raises `error` (ours, not Dynamo's wrapper, reaches the caller)."""
+
+    def raise_it(*_args: Any, **_kwargs: Any):
+        raise error
+
+    return raise_it
+
+
 def _on_backward(outputs: Any, callback: Callable[[], None]) -> None:
     """Call `callback` once the backward of these outputs' graph has run (starts a new step)."""
     for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
@@ -674,6 +696,10 @@ class Backend:
         # After a StepOverrunError: the number of steps completed then. Until one more completes,
         # every call runs its least-peak plan, so that the step, run again, fits if any plan does.
         self._cautious_while: int | None = None
+        self.plan_only = False  # raise PlannedOnly with each graph's plan instead of compiling it (max_batch)
+        self.regions = 0  # regions compiled (one per captured graph)
+        self.compile_s = 0.0  # wall time of their first compiles
+        self._first_step_ended = False
         with _lock:
             self.id = next(_ids)
             _BACKENDS[self.id] = self
@@ -737,9 +763,9 @@ class Backend:
             region.assigned = None if decisions is None else (decisions, outside)
         self._settled = shape
         self.step_plans += 1
-        log.info("memcompile: one plan per region for the step: predicted step peak %s of %s, added time "
-                 "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
-                 choice.added_time_s * 1e3, choice.status)
+        log.debug("memcompile: one plan per region for the step: predicted step peak %s of %s, added time "
+                  "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
+                  choice.added_time_s * 1e3, choice.status)
 
     def reducible_saved_bytes(self, position: int) -> int:
         """What the calls of this step before `position` hold beyond their regions' least-peak
@@ -833,22 +859,48 @@ class Backend:
             self.options = dataclasses.replace(self.options, reserve_bytes=self.options.reserve_bytes + workspace,
                                                library_workspace_bytes=workspace)
 
+    def backward_ran(self) -> None:
+        """A backward of this step has started: the step's calls are known. The first time, say
+        what the step is predicted to peak at."""
+        self.ledger.backward_ran()
+        if not self._first_step_ended:
+            self._first_step_ended = True
+            calls = sum(f is not None for f in self.ledger.footprints())
+            log.info("%s", logs.step_summary(self.predicted_step_peak(), self.options, self.regions, calls,
+                                             self.compile_s))
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        try:
+            self.options = with_resolved_budget(self.options, example_inputs)  # budget("90%"), "free"
+        except ValueError as error:
+            self.errors.append(error)
+            return _raising(error)
         self.reserve_library_workspace(example_inputs)
+        what, began = f"region {self.regions}", time.perf_counter()
+        self.regions += 1
         region = _Region(self, gm, example_inputs)
         try:
-            region.compile_first()
+            with logs.progress(what):
+                region.compile_first()
+        except PlannedOnly as planned:
+            return _raising(planned)
         except (InfeasibleBudgetError, PlanningFailedError) as error:
             # Raised from the compiled callable so the user catches our type, not Dynamo's
             # wrapper; every call raises, so the step never runs over budget.
             self.errors.append(error)
-            log.error("%s", error)
+            if not self.plan_only:  # max_batch's probes above the answer are expected not to fit
+                log.error("%s", error)
             saved_error = error  # `error` is unbound once the except block ends
 
             def over_budget(*_args: Any, **_kwargs: Any):
                 raise saved_error
 
             return over_budget
+        finally:
+            self.compile_s += time.perf_counter() - began
+        plan = region._current[0].plan if region._current is not None else None
+        if plan is not None:
+            log.info("%s", logs.region_line(what, plan, time.perf_counter() - began))
         return region
 
     def __repr__(self) -> str:

@@ -84,3 +84,12 @@ class PlanningFailedError(RuntimeError):
     """memcompile could not plan a graph (a bug, or an op its passes cannot read), and PyTorch's
     own partition, its fallback, is not predicted within the budget. `on_unplanned="warn"` runs
     that partition anyway, with a warning. The original error is the `__cause__`."""
+
+
+class PlannedOnly(Exception):
+    """A graph was planned by a backend in plan-only mode (memcompile.max_batch): its plan, and no
+    compiled code. Raised from the compiled callable instead of running the step."""
+
+    def __init__(self, plan: object) -> None:
+        super().__init__(f"memcompile: planned {getattr(plan, 'graph_id', 'a graph')} only (no step run)")
+        self.plan = plan

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, fields
+from typing import Sequence
+
+from memcompile.device_budget import device_memory, input_device, parse_relative, resolve_relative
+from memcompile.optimizer_state import OptimizerReserve, optimizer_reserve
 
 _UNITS = {
     "": 1, "b": 1,
@@ -58,7 +63,7 @@ def _is_device_name(device: object) -> bool:
 
 @dataclass(frozen=True)
 class Options:
-    budget_bytes: int  # peak bytes of one forward+backward step (see README: budget semantics)
+    budget_bytes: int  # peak bytes of one forward+backward step (see README: budget semantics); 0: budget_spec
     reserve_bytes: int = 0  # held outside the step (e.g. optimizer state): subtracted from the budget
     time_limit_s: float = 10.0  # solver wall-clock limit per graph; the best plan found is used
     codegen: str = "inductor"  # "inductor" (C++/Triton) or "aot_eager" (FX interpreter, for tests)
@@ -84,6 +89,13 @@ class Options:
     # A call that cannot fit beside earlier calls of its step planned before it was known:
     # "raise" (StepOverrunError before it runs) or "warn" (a StepOverrunWarning, then it runs over).
     on_first_step_overrun: str = "raise"
+    # budget("90%") / budget("free"): relative to the step's device, resolved into budget_bytes (0
+    # until then) from the first graph's inputs (memcompile/device_budget.py); "" for a size in bytes.
+    budget_spec: str = ""
+    budget_source: str = ""  # where budget_bytes came from, once resolved (shown in the plan)
+    # Part of reserve_bytes: the optimizer's state (budget(optimizer=...), memcompile/optimizer_state.py).
+    optimizer_reserve_bytes: int = 0
+    optimizer_source: str = ""  # how it was counted (shown in the plan)
 
     @property
     def step_budget_bytes(self) -> int:
@@ -93,8 +105,10 @@ class Options:
         """", reserve N" (and what of it the library holds) for messages; "" without a reserve."""
         if not self.reserve_bytes:
             return ""
-        library = self.library_workspace_bytes
-        return f", reserve {self.reserve_bytes}" + (f" of which cuBLAS workspaces {library}" if library else "")
+        library, optimizer = self.library_workspace_bytes, self.optimizer_reserve_bytes
+        parts = ([f"cuBLAS workspaces {library}"] if library else []) + (
+            [f"optimizer state {optimizer}"] if optimizer else [])
+        return f", reserve {self.reserve_bytes}" + (f" of which {' and '.join(parts)}" if parts else "")
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
@@ -103,16 +117,18 @@ class Options:
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
     known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps",
-             "chunk_loss", "chunk_mlp", "on_unplanned",
-             "on_first_step_overrun"}
+             "chunk_loss", "chunk_mlp", "on_unplanned", "on_first_step_overrun", "optimizer"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
-    budget_bytes = parse_bytes(limit, name="limit")
+    budget_spec = parse_relative(limit) or ""
+    budget_bytes = 0 if budget_spec else parse_bytes(limit, name="limit")
     reserve_bytes = parse_bytes(overrides.pop("reserve", 0), name="reserve", allow_zero=True)
-    if reserve_bytes >= budget_bytes:
-        raise ValueError(f"reserve={reserve_bytes} bytes leaves nothing of limit={budget_bytes} bytes for the step; "
-                         "pass a reserve smaller than the limit")
+    optimizer = overrides.pop("optimizer", None)
+    held = optimizer_reserve(optimizer) if optimizer is not None else OptimizerReserve(0, "")
+    reserve_bytes += held.nbytes
+    if not budget_spec:
+        _check_reserve(budget_bytes, reserve_bytes, held.nbytes)
     time_limit_s = overrides.pop("time_limit_s", 10.0)
     if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) or not (0 < time_limit_s < math.inf):
         raise ValueError(f"time_limit_s={time_limit_s!r}: expected a positive number of seconds")
@@ -158,7 +174,38 @@ def make_options(limit: object, **overrides: object) -> Options:
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
                    None if offload == "auto" else offload, None if link is None else float(link),
                    chunk_loss=chunk_loss, chunk_mlp=chunk_mlp, on_unplanned=on_unplanned,
-                   on_first_step_overrun=on_overrun)
+                   on_first_step_overrun=on_overrun, budget_spec=budget_spec,
+                   optimizer_reserve_bytes=held.nbytes, optimizer_source=held.source)
+
+
+def _check_reserve(budget_bytes: int, reserve_bytes: int, optimizer_bytes: int) -> None:
+    if reserve_bytes >= budget_bytes:
+        of_which = f" (of which the optimizer's state {optimizer_bytes})" if optimizer_bytes else ""
+        raise ValueError(f"reserve={reserve_bytes} bytes{of_which} leaves nothing of limit={budget_bytes} bytes for "
+                         "the step; pass a reserve smaller than the limit")
+
+
+def with_resolved_budget(options: Options, example_inputs: Sequence[object]) -> Options:
+    """budget("90%") / budget("free") in bytes of the device of a graph's inputs (read now)."""
+    if not options.budget_spec or options.budget_bytes:
+        return options
+    resolved = resolve_relative(options.budget_spec, device_memory(input_device(example_inputs)))
+    try:
+        _check_reserve(resolved.budget_bytes, options.reserve_bytes, options.optimizer_reserve_bytes)
+    except ValueError as error:
+        raise ValueError(f"memcompile.budget({options.budget_spec!r}) = {resolved.budget_bytes} bytes "
+                         f"({resolved.source}): {error}") from None
+    return dataclasses.replace(options, budget_bytes=resolved.budget_bytes, budget_source=resolved.source)
+
+
+def with_optimizer(options: Options, optimizer: object) -> Options:
+    """The options with `optimizer`'s state as their optimizer reserve (replacing an earlier one)."""
+    held = optimizer_reserve(optimizer)
+    reserve = options.reserve_bytes - options.optimizer_reserve_bytes + held.nbytes
+    if options.budget_bytes:
+        _check_reserve(options.budget_bytes, reserve, held.nbytes)
+    return dataclasses.replace(options, reserve_bytes=reserve, optimizer_reserve_bytes=held.nbytes,
+                               optimizer_source=held.source)
 
 
 QUANTIZE_FORMATS = ("int8", "fp8", "bf16")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -63,6 +64,15 @@ class Plan:
     # (_torch_private.install_reuse_rule / install_fusion_rules): PyTorch's partition checked
     # within the budget under them, so it runs as PyTorch's own compile does.
     stock_inductor_rules: bool = False
+    budget_source: str = ""  # where budget_bytes came from when relative to the device (budget("90%"), "free")
+    optimizer_reserve_bytes: int = 0  # part of reserve_bytes: the optimizer's state (budget(optimizer=...))
+    optimizer_source: str = ""  # how that was counted
+    check_s: float = 0.0  # time spent checking candidate plans' liveness exactly (beside solve_s)
+    # live_bytes_after split by category (passes/liveness.py CATEGORIES): (category, bytes per step)
+    live_categories_after: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # (name, category, bytes) of the largest storages live at the predicted peak, largest first
+    peak_tensors: tuple[tuple[str, str, int], ...] = ()
+    backward_from_step: int = -1  # index of the first backward step in live_bytes_after (-1: unknown)
 
     @property
     def total_added_time_s(self) -> float:
@@ -106,3 +116,52 @@ class Plan:
         if self.size_bounds:
             lines.append("  covers sizes " + ", ".join(f"{name} <= {size}" for name, size in self.size_bounds))
         return "\n".join(lines)
+
+
+def status_words(status: str, gap: float) -> str:
+    """A plan's solver status in plain words (Plan.solver_status and Plan.gap)."""
+    if status == "fits":
+        return "fits with every activation kept: nothing to recompute"
+    if status == "optimal":
+        return "the least added time within the budget (proven optimal)"
+    if status == "feasible":
+        if not 0 <= gap <= 1:
+            return "within the budget; the solver stopped at its time limit before bounding how good its plan is"
+        return (f"within the budget; the solver stopped at its time limit: a better plan could save at most "
+                f"{gap:.0%} of the time this one adds")
+    if status == "fallback":
+        return "within the budget by the greedy plan (the solver found nothing better in its time)"
+    if status.startswith("least_peak"):
+        return ("the least memory memcompile could plan: the budget is at or near the smallest that works, "
+                "so the plan minimises memory and does not weigh time")
+    if status.startswith("stock_partition"):
+        fraction = status[status.find("=") + 1:].rstrip(")") if "=" in status else "?"
+        return (f"PyTorch's own partition (activation_memory_budget={fraction}) fits, so it runs as is: "
+                "it was measured faster than memcompile's plans at equal memory")
+    if status.startswith("stock_fallback"):
+        return f"planning failed ({status[len('stock_fallback'):].strip(' ()')}): PyTorch's default partition runs " \
+               "and the budget is NOT enforced"
+    return status
+
+
+def input_name(placeholder: str) -> str:
+    """A Dynamo graph input's name as the module spells it:
+    l_self_modules_h_modules_0_parameters_weight_ -> h.0.weight, l_x_ -> x."""
+    name = placeholder.removeprefix("l_").rstrip("_").removeprefix("self_")
+    for prefix in ("modules_", "parameters_", "buffers_"):
+        name = name.removeprefix(prefix)
+    for token in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(token, ".")
+    return name or placeholder
+
+
+def with_input_names(tensors: tuple[tuple[str, str, int], ...], placeholders: tuple[str, ...]
+                     ) -> tuple[tuple[str, str, int], ...]:
+    """Plan.peak_tensors with the joint graph's primals_N named after the N-th graph input."""
+    named = []
+    for label, category, nbytes in tensors:
+        match = re.fullmatch(r"primals_(\d+)", label)
+        if match and 0 < int(match.group(1)) <= len(placeholders):
+            label = input_name(placeholders[int(match.group(1)) - 1])
+        named.append((label, category, nbytes))
+    return tuple(named)

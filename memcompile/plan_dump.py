@@ -19,11 +19,13 @@ from html import escape
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from memcompile.plan import Decision, Plan, format_bytes
+from memcompile.plan import Decision, Plan, format_bytes, status_words
 
 log = logging.getLogger("memcompile")
 
-SCHEMA_VERSION = 2  # 2 added decision format/held_bytes (version 1 files still load)
+# 2 added decision format/held_bytes; 3 the budget's source, the optimizer reserve, check time, live
+# bytes by category and the largest tensors at the peak (version 1 and 2 files still load)
+SCHEMA_VERSION = 3
 FORMATS = ("text", "json", "html")
 MIB = 2**20
 
@@ -128,25 +130,42 @@ def format_change(before: int, after: int) -> str:
     return f" ({(after - before) / before:+.1%})"
 
 
+def reserve_parts(plan: Plan) -> str:
+    """" (optimizer state X, cuBLAS workspaces Y)": what the reserve is made of, where known."""
+    parts = [f"{what} {format_bytes(nbytes)}" for what, nbytes in (
+        ("optimizer state", plan.optimizer_reserve_bytes), ("cuBLAS workspaces", plan.library_workspace_bytes)) if nbytes]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+# Statuses of plans that minimise added time: their gap (to the solver's bound) means something.
+# A least-peak plan minimises memory, so its time gap (100% against a bound of 0) says nothing.
+_TIMED_STATUSES = ("optimal", "feasible", "fallback")
+
+
 def plan_text(plan: Plan) -> str:
     lines = [
         f"memcompile plan {plan.graph_id}",
         f"  budget           {format_bytes(plan.budget_bytes)} ({plan.budget_bytes} B), "
-        f"reserve {format_bytes(plan.reserve_bytes)}"
-        + (f" (cuBLAS workspaces {format_bytes(plan.library_workspace_bytes)})" if plan.library_workspace_bytes else "")
+        f"reserve {format_bytes(plan.reserve_bytes)}" + reserve_parts(plan)
         + f", step budget {format_bytes(plan.step_budget_bytes)}",
+        *([f"  budget from      {plan.budget_source}"] if plan.budget_source else []),
+        *([f"  optimizer        {plan.optimizer_source}"] if plan.optimizer_source else []),
         f"  predicted peak   {format_bytes(plan.predicted_peak_before_bytes)} -> "
         f"{format_bytes(plan.predicted_peak_bytes)}"
         f"{format_change(plan.predicted_peak_before_bytes, plan.predicted_peak_bytes)}"
         f" at {plan.peak_phase} node {plan.peak_node}",
-        f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s, gap {plan.gap:.1%}"
+        f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s"
+        + (f", gap {plan.gap:.1%}" if plan.solver_status in _TIMED_STATUSES else "")
+        + (f"; checks {plan.check_s:.2f} s" if plan.check_s else "")
         + (", compiled under Inductor's own rules" if plan.stock_inductor_rules else ""),
+        f"  status           {status_words(plan.solver_status, plan.gap)}",
         f"  added step time  ~{format_seconds(plan.total_added_time_s)} (estimate"
         + (f": decisions ~{format_seconds(plan.added_time_s)}, rewrites ~{format_seconds(plan.rewrite_time_s)}"
            if plan.rewrite_time_s else "") + ")",
         *(f"  rewrite          {rewrite}" for rewrite in plan.graph_rewrites),
         "",
         *breakdown_lines(plan),
+        *peak_tensor_lines(plan),
         "",
         *decision_lines(plan.decisions),
     ]
@@ -163,6 +182,15 @@ def breakdown_lines(plan: Plan) -> list[str]:
         share = f"{nbytes / total:6.1%}" if total else ""
         lines.append(f"    {category:<{width}}  {format_bytes(nbytes):>11}  {share}")
     return lines
+
+
+def peak_tensor_lines(plan: Plan, count: int = 8) -> list[str]:
+    if not plan.peak_tensors:
+        return []
+    rows = plan.peak_tensors[:count]
+    width = max(len(name) for name, _, _ in rows)
+    return [f"  largest live at the peak:"] + [f"    {name:<{width}}  {format_bytes(nbytes):>11}  {category}"
+                                               for name, category, nbytes in rows]
 
 
 DECISION_COLUMNS = ("node", "op", "shape", "dtype", "bytes", "choice", "held", "time cost", "reason", "source")
@@ -202,7 +230,7 @@ def to_text(plans: Sequence[Plan]) -> str:
 
 # -- JSON ----------------------------------------------------------------------------------------
 
-_PLAN_FLOATS = ("added_time_s", "solve_s", "gap")
+_PLAN_FLOATS = ("added_time_s", "solve_s", "gap", "check_s")
 
 
 def _finite_or_name(x: float) -> float | str:
@@ -245,12 +273,19 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
     )
 
 
+# Plan fields older files lack, with the values a plan without them has.
+_ADDED_LATER = {"library_workspace_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, "size_bounds": [],
+                "stock_inductor_rules": False, "budget_source": "", "optimizer_reserve_bytes": 0,
+                "optimizer_source": "", "check_s": 0.0, "live_categories_after": [], "peak_tensors": [],
+                "backward_from_step": -1}
+
+
 def plan_from_json(data: dict[str, Any] | str) -> Plan:
     """One plan from its JSON object (a dict, or its text): an entry of a file's "plans" list."""
     if isinstance(data, str):
         data = json.loads(data)
     try:
-        data = {"library_workspace_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, **data}  # older files
+        data = {**_ADDED_LATER, **data}  # older files
         _exact_keys(data, Plan.__dataclass_fields__, f"plan {data.get('graph_id', '?')}")
         return Plan(
             graph_id=str(data["graph_id"]),
@@ -268,11 +303,19 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             gap=float(data["gap"]),
             live_bytes_before=tuple(int(b) for b in data["live_bytes_before"]),
             live_bytes_after=tuple(int(b) for b in data["live_bytes_after"]),
-            size_bounds=tuple((str(n), int(v)) for n, v in data.get("size_bounds", ())),
+            size_bounds=tuple((str(n), int(v)) for n, v in data["size_bounds"]),
             library_workspace_bytes=int(data["library_workspace_bytes"]),
             graph_rewrites=tuple(str(r) for r in data["graph_rewrites"]),
             rewrite_time_s=float(data["rewrite_time_s"]),
-            stock_inductor_rules=bool(data.get("stock_inductor_rules", False)),
+            stock_inductor_rules=bool(data["stock_inductor_rules"]),
+            budget_source=str(data["budget_source"]),
+            optimizer_reserve_bytes=int(data["optimizer_reserve_bytes"]),
+            optimizer_source=str(data["optimizer_source"]),
+            check_s=float(data["check_s"]),
+            live_categories_after=tuple((str(c), tuple(int(b) for b in series))
+                                        for c, series in data["live_categories_after"]),
+            peak_tensors=tuple((str(n), str(c), int(b)) for n, c, b in data["peak_tensors"]),
+            backward_from_step=int(data["backward_from_step"]),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error
@@ -281,10 +324,10 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
 def plans_from_json(text: str) -> list[Plan]:
     document = json.loads(text)
     if not isinstance(document, dict) or "plans" not in document:
-        raise ValueError('not a memcompile plan file: expected {"schema_version": 2, "plans": [...]}')
+        raise ValueError('not a memcompile plan file: expected {"schema_version": 3, "plans": [...]}')
     version = document.get("schema_version")
-    if version not in (1, SCHEMA_VERSION):
-        raise ValueError(f"plan file schema_version {version!r}; this memcompile reads 1 and {SCHEMA_VERSION}")
+    if version not in (1, 2, SCHEMA_VERSION):
+        raise ValueError(f"plan file schema_version {version!r}; this memcompile reads 1 to {SCHEMA_VERSION}")
     return [plan_from_json(p) for p in document["plans"]]
 
 
@@ -352,6 +395,49 @@ def _peak_step(values: Sequence[int], peak: int) -> int:
     return values.index(peak) if peak in values else max(range(len(values)), key=values.__getitem__)
 
 
+# What each category of live bytes is called and drawn in (passes/liveness.py CATEGORIES), in
+# the order they stack: what the step starts with at the bottom.
+CATEGORY_STYLE = {  # colour, what they are, what one is
+    "parameters_and_inputs": ("#9ecae1", "parameters and inputs", "parameter or input"),
+    "gradients": ("#c5b0d5", "gradients", "gradient"),
+    "saved_activations": ("#fd8d3c", "saved activations", "saved activation"),
+    "outputs": ("#e7cb94", "outputs", "output"),
+    "temporaries": ("#74c476", "temporaries", "temporary"),
+    "op_scratch_and_workspace": ("#bdbdbd", "op scratch and workspace", "workspace"),
+}
+
+
+def category_words(category: str, one: bool = False) -> str:
+    return CATEGORY_STYLE.get(category, ("", category.replace("_", " "), category.replace("_", " ")))[2 if one else 1]
+
+
+def category_colour(category: str) -> str:
+    return CATEGORY_STYLE.get(category, ("#dddddd", ""))[0]
+
+
+def _category_series(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+    """The plan's live bytes by category, stacking order, when recorded for every step."""
+    series = [(c, v) for c, v in plan.live_categories_after if len(v) == len(plan.live_bytes_after)]
+    order = list(CATEGORY_STYLE)
+    series.sort(key=lambda cv: order.index(cv[0]) if cv[0] in order else len(order))
+    return [(c, v) for c, v in series if any(v)]
+
+
+def _stack_polygons(frame: Frame, series: list[tuple[str, tuple[int, ...]]], peak_step: int) -> list[str]:
+    parts, bottom = [], [0] * (len(series[0][1]) if series else 0)
+    for category, values in series:
+        top = [b + v for b, v in zip(bottom, values)]
+        upper = [f"{_num(frame.x(i))},{_num(frame.y(t))}" for i, t in enumerate(top)]
+        lower = [f"{_num(frame.x(i))},{_num(frame.y(b))}" for i, b in reversed(list(enumerate(bottom)))]
+        at_peak = values[peak_step] if 0 <= peak_step < len(values) else 0
+        parts.append(
+            f'<polygon class="category" data-category="{_attr(category)}" data-peak-bytes="{at_peak}" '
+            f'points="{" ".join(upper + lower)}" fill="{category_colour(category)}" fill-opacity="0.9" stroke="none">'
+            f"<title>{escape(category_words(category))}: {escape(format_bytes(at_peak))} at the peak</title></polygon>")
+        bottom = top
+    return parts
+
+
 def plan_svg(plan: Plan) -> str:
     before, after = plan.live_bytes_before, plan.live_bytes_after
     step_budget = plan.step_budget_bytes
@@ -371,11 +457,14 @@ def plan_svg(plan: Plan) -> str:
         f"<title>{escape(title)}</title>",
         f'<rect x="0" y="0" width="{frame.width}" height="{frame.height}" fill="white"/>',
     ]
+    peak_step = _peak_step(after, plan.predicted_peak_bytes) if after else -1
+    # live bytes of the plan, stacked by category (under the grid lines' labels, over nothing)
+    parts += _stack_polygons(frame, _category_series(plan), peak_step)
     # y grid and labels, in MiB
     tick = 0.0
     while tick <= y_max + y_step / 2:
         y = _num(frame.y(tick))
-        parts.append(f'<line x1="{frame.left}" y1="{y}" x2="{plot_right}" y2="{y}" stroke="#e4e4e4"/>')
+        parts.append(f'<line x1="{frame.left}" y1="{y}" x2="{plot_right}" y2="{y}" stroke="#000" stroke-opacity="0.1"/>')
         parts.append(f'<text x="{frame.left - 8}" y="{y}" text-anchor="end" dominant-baseline="middle" '
                      f'fill="#444">{tick_label(tick / MIB, y_step / MIB)}</text>')
         tick += y_step
@@ -393,6 +482,14 @@ def plan_svg(plan: Plan) -> str:
         f'<text transform="translate(18 {(frame.top + plot_bottom) / 2}) rotate(-90)" text-anchor="middle" '
         'fill="#222">live memory (MiB)</text>',
     ]
+    if 0 < plan.backward_from_step < len(after):
+        x = _num(frame.x(plan.backward_from_step - 0.5))
+        parts += [
+            f'<line class="phase-boundary" data-step="{plan.backward_from_step}" x1="{x}" y1="{frame.top}" x2="{x}" '
+            f'y2="{plot_bottom}" stroke="#555" stroke-width="1" stroke-dasharray="2 3"/>',
+            f'<text x="{_num(float(x) - 6)}" y="{frame.top + 14}" text-anchor="end" fill="#555" {HALO}>forward</text>',
+            f'<text x="{_num(float(x) + 6)}" y="{frame.top + 14}" text-anchor="start" fill="#555" {HALO}>backward</text>',
+        ]
     # budget line: what the step may use (budget - reserve)
     budget_y = _num(frame.y(step_budget))
     parts += [
@@ -405,30 +502,32 @@ def plan_svg(plan: Plan) -> str:
         + "</text>",
     ]
     if before:
-        parts.append(_polyline(frame, before, "before", "#8c8c8c", "4 3", 1.5))
+        parts.append(_polyline(frame, before, "before", "#555555", "4 3", 1.5))
     if after:
-        parts.append(_polyline(frame, after, "after", "#1f6feb", "", 2))
+        parts.append(_polyline(frame, after, "after", "#1f3b73", "", 1.5))
     if before:
         i = _peak_step(before, plan.predicted_peak_before_bytes)
         parts.append(
             f'<circle class="peak-before" data-peak-bytes="{plan.predicted_peak_before_bytes}" data-step="{i}" '
-            f'cx="{_num(frame.x(i))}" cy="{_num(frame.y(plan.predicted_peak_before_bytes))}" r="4" fill="#8c8c8c">'
+            f'cx="{_num(frame.x(i))}" cy="{_num(frame.y(plan.predicted_peak_before_bytes))}" r="4" fill="#555555">'
             f"<title>peak without the plan: {escape(format_bytes(plan.predicted_peak_before_bytes))} at step {i}"
             "</title></circle>")
         parts.append(f'<text x="{_num(frame.x(i))}" y="{_num(frame.y(plan.predicted_peak_before_bytes) - 9)}" '
-                     f'text-anchor="middle" fill="#666" {HALO}>'
+                     f'text-anchor="middle" fill="#444" {HALO}>'
                      f"{escape(format_bytes(plan.predicted_peak_before_bytes))} without the plan</text>")
     if after:
-        i = _peak_step(after, plan.predicted_peak_bytes)
+        i = peak_step
         cx, cy = frame.x(i), frame.y(plan.predicted_peak_bytes)
-        label = f"peak {format_bytes(plan.predicted_peak_bytes)} ({plan.peak_phase} {plan.peak_node})"
+        label = f"peak {format_bytes(plan.predicted_peak_bytes)}"  # where: in the table beside
         anchor = "end" if cx > (frame.left + plot_right) / 2 else "start"
+        # above the marker, unless the budget line's label is there
+        label_y = cy - 9 if cy - frame.y(step_budget) > 28 else cy + 19
         parts += [
             f'<circle class="peak" data-peak-bytes="{plan.predicted_peak_bytes}" data-step="{i}" cx="{_num(cx)}" '
-            f'cy="{_num(cy)}" r="5" fill="none" stroke="#bf5700" stroke-width="2">'
-            f"<title>{escape(label)} at step {i}</title></circle>",
-            f'<text x="{_num(cx + (-8 if anchor == "end" else 8))}" y="{_num(cy + 16)}" text-anchor="{anchor}" '
-            f'fill="#bf5700" {HALO}>{escape(label)}</text>',
+            f'cy="{_num(cy)}" r="5" fill="white" stroke="#bf5700" stroke-width="2.5">'
+            f"<title>{escape(label)} at step {i} ({escape(plan.peak_phase)} {escape(plan.peak_node)})</title></circle>",
+            f'<text x="{_num(cx + (-9 if anchor == "end" else 9))}" y="{_num(label_y)}" text-anchor="{anchor}" '
+            f'fill="#bf5700" font-weight="bold" {HALO}>{escape(label)}</text>',
         ]
     if not before and not after:
         parts.append(f'<text x="{(frame.left + plot_right) / 2}" y="{(frame.top + plot_bottom) / 2}" '
@@ -439,7 +538,7 @@ def plan_svg(plan: Plan) -> str:
 
 
 def _legend(frame: Frame) -> list[str]:
-    entries = (("before: every activation kept", "#8c8c8c", "4 3"), ("after: this plan", "#1f6feb", ""),
+    entries = (("before: every activation kept", "#555555", "4 3"), ("after: this plan (total)", "#1f3b73", ""),
                ("step budget", "#d1242f", "6 4"))
     parts, x = [], frame.left
     for text, colour, dash in entries:
@@ -447,12 +546,87 @@ def _legend(frame: Frame) -> list[str]:
         parts.append(f'<line x1="{x}" y1="18" x2="{x + 24}" y2="18" stroke="{colour}" stroke-width="2"{dash_attr}/>')
         parts.append(f'<text x="{x + 30}" y="18" dominant-baseline="middle" fill="#222">{escape(text)}</text>')
         x += 40 + 7 * len(text)
+    parts.append(f'<text x="{x}" y="18" dominant-baseline="middle" fill="#555">areas: what the plan holds, '
+                 "by category (table)</text>")
     return parts
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "-"
+
+
+def verdict_html(plan: Plan) -> str:
+    """What the plan comes to, in words: fits or not, the status, the budget and reserve."""
+    fits = plan.predicted_peak_bytes <= plan.step_budget_bytes
+    head = "Fits." if fits else "Over the budget."
+    budget = (f"Budget {format_bytes(plan.budget_bytes)}"
+              + (f" ({plan.budget_source})" if plan.budget_source else "")
+              + (f"; reserve {format_bytes(plan.reserve_bytes)}{reserve_parts(plan)} held outside the step"
+                 if plan.reserve_bytes else "") + ".")
+    return "\n".join([
+        f'<p class="verdict {"fits" if fits else "over"}"><strong>{head}</strong> Predicted peak '
+        f"{escape(format_bytes(plan.predicted_peak_bytes))} of the step budget "
+        f"{escape(format_bytes(plan.step_budget_bytes))} ({_share(plan.predicted_peak_bytes, plan.step_budget_bytes)}); "
+        f"{escape(format_bytes(plan.predicted_peak_before_bytes))} with every activation kept.</p>",
+        f'<p class="status">Plan: {escape(status_words(plan.solver_status, plan.gap))}. '
+        + (f"It adds about {escape(format_seconds(plan.total_added_time_s))} to a step (estimate)."
+           if plan.total_added_time_s > 0 else "It adds no recomputation to the step.") + "</p>",
+        f'<p class="budget-source">{escape(budget)}</p>',
+        *([f'<p class="rewrites">Graph rewrites: {escape("; ".join(plan.graph_rewrites))}.</p>']
+          if plan.graph_rewrites else []),
+    ])
+
+
+def _swatch(category: str) -> str:
+    return f'<span class="swatch" style="background:{category_colour(category)}"></span>'
+
+
+def peak_html(plan: Plan) -> str:
+    """Beside the picture: what holds memory at the peak, by category and largest tensors."""
+    total = sum(b for _, b in plan.peak_breakdown)
+    rows = [f'<tr data-category="{_attr(c)}"><td>{_swatch(c)}{escape(category_words(c))}</td>'
+            f'<td class="num">{escape(format_bytes(b))}</td><td class="num">{_share(b, total)}</td></tr>'
+            for c, b in sorted(plan.peak_breakdown, key=lambda cb: (-cb[1], cb[0])) if b]
+    where = f"{plan.peak_phase} node {plan.peak_node}" if plan.peak_node else "step"
+    parts = [f'<aside class="at-peak">',
+             f"<h3>At the peak: {escape(format_bytes(total))} ({escape(where)})</h3>",
+             '<table class="peak-categories"><tr><th>held by</th><th class="num">bytes</th><th class="num">share</th></tr>',
+             *rows, "</table>"]
+    if plan.peak_tensors:
+        decisions = {d.name: d for d in plan.decisions}
+        parts += ["<h3>Largest tensors live at the peak</h3>",
+                  '<table class="peak-tensors"><tr><th>tensor</th><th class="num">bytes</th><th>what</th></tr>']
+        for name, category, nbytes in plan.peak_tensors:
+            d = decisions.get(name.removesuffix(" (backward)"))
+            what = (f"{d.op.removesuffix('.default')} [{', '.join(map(str, d.shape))}], {d.label}" if d
+                    else category_words(category, one=True))
+            source = f' title="{_attr(d.source)}"' if d and d.source else ""  # the user's line, on hover
+            parts.append(f'<tr data-category="{_attr(category)}" data-bytes="{nbytes}"><td>{_swatch(category)}'
+                         f'{escape(name)}</td><td class="num">{escape(format_bytes(nbytes))}</td>'
+                         f"<td{source}>{escape(what)}</td></tr>")
+        parts.append("</table>")
+    parts.append("</aside>")
+    return "\n".join(parts)
 
 
 _PAGE_STYLE = """
 body { font-family: sans-serif; margin: 24px; color: #222; }
 section { margin-bottom: 40px; }
+h2 { margin-bottom: 4px; }
+h3 { font-size: 14px; margin: 4px 0 6px 0; }
+p { margin: 4px 0; max-width: 1300px; }
+.verdict.fits strong { color: #1a7f37; }
+.verdict.over strong { color: #d1242f; }
+.row { display: flex; gap: 20px; align-items: flex-start; margin-top: 10px; }
+.row svg { flex: 0 1 900px; min-width: 480px; }
+aside { flex: 1 1 340px; font-size: 13px; }
+table { border-collapse: collapse; margin-bottom: 14px; }
+th, td { padding: 2px 8px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top; }
+th { font-weight: 600; color: #444; }
+.num { text-align: right; white-space: nowrap; }
+.swatch { display: inline-block; width: 11px; height: 11px; margin-right: 6px; border: 1px solid #777; }
+.source { color: #666; font-family: monospace; font-size: 11px; }
+.peak-tensors td:first-child, .peak-tensors td:last-child { white-space: nowrap; }
 pre { font-size: 12px; background: #f6f8fa; padding: 12px; overflow-x: auto; }
 svg { max-width: 100%; height: auto; border: 1px solid #ddd; }
 """
@@ -461,7 +635,8 @@ svg { max-width: 100%; height: auto; border: 1px solid #ddd; }
 def to_html(plans: Sequence[Plan]) -> str:
     """A self-contained page (inline SVG, no scripts, nothing fetched), well-formed as XML too."""
     sections = [
-        f'<section id="{_attr(p.graph_id)}">\n<h2>{escape(p.graph_id)}</h2>\n{plan_svg(p)}\n'
+        f'<section id="{_attr(p.graph_id)}">\n<h2>{escape(p.graph_id)}</h2>\n{verdict_html(p)}\n'
+        f'<div class="row">\n{plan_svg(p)}\n{peak_html(p)}\n</div>\n'
         f"<pre>{escape(plan_text(p))}</pre>\n</section>"
         for p in plans
     ] or ["<p>No plans: no graph with a backward pass compiled yet.</p>"]

@@ -8,6 +8,7 @@ and it solves again, so the plan returned always has predicted peak <= budget.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import logging
@@ -19,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
+from memcompile import logs
 from memcompile.cost_models.device import profile_for
 from memcompile.cost_models.node_cost import estimate_node_time_s
 from memcompile.errors import InfeasibleBudgetError, PlanningFailedError
@@ -113,7 +115,22 @@ def predicted_inference_peak(graph: fx.GraphModule) -> int:
     return analyze_liveness(graph, None, len(outputs)).peak_bytes
 
 
+# Seconds the checks of the planning under way have taken (Plan.check_s); None outside one.
+_CHECK_S: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("memcompile_check_s", default=None)
+
+
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
+    """_predicted_liveness, its time added to the current planning's check time."""
+    began = time.perf_counter()
+    try:
+        return _predicted_liveness(fw, bw, num_fwd_outputs, inductor)
+    finally:
+        spent = _CHECK_S.get()
+        if spent is not None:
+            spent[0] += time.perf_counter() - began
+
+
+def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
     """The liveness of the graphs as they will run. Under Inductor (when FUSION_CHECK): of copies
     after Inductor's post-grad passes (they move ops: `mm + add` becomes one addmm at the add,
     holding the mm's inputs until then), over the kernels Inductor's scheduler makes of them, in
@@ -206,6 +223,8 @@ def _plan_joint_graph(
     graph_id: str,
     request: "PlanRequest | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
+    check_s = _CHECK_S.get() or [0.0]
+    logs.stage(f"{graph_id}: analysing the joint graph")
     joint = tp.prepare_joint_graph(joint)
     device = options.device or step_device(joint_inputs)
     profile = profile_for(device)
@@ -246,12 +265,14 @@ def _plan_joint_graph(
             if forced is not None and forced.timeline.peak_bytes <= budget:
                 chosen = forced
     if chosen is None and not (request is not None and request.least_peak):
+        logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None and request is not None and not (request.search_least_peak or request.least_peak):
         raise NoSolverPlanFits(budget)
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
+        logs.stage(f"{graph_id}: searching the least-peak plan")
         chosen, min_peak_s = replanner.least_peak_and_solve_s()
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
@@ -289,8 +310,15 @@ def _plan_joint_graph(
         live_bytes_before=tuple(s.live_bytes for s in before.steps),
         live_bytes_after=tuple(s.live_bytes for s in after.steps),
         stock_inductor_rules=stock_rules,
+        budget_source=options.budget_source,
+        optimizer_reserve_bytes=options.optimizer_reserve_bytes,
+        optimizer_source=options.optimizer_source,
+        check_s=check_s[0],
+        live_categories_after=after.category_series(),
+        peak_tensors=after.peak_tensors,
+        backward_from_step=after.backward_start(),
     )
-    log.info("%s", plan.summary())
+    log.debug("%s", plan.summary())
     return chosen.forward, chosen.backward, plan
 
 
@@ -375,10 +403,10 @@ class StockPartitions:
                                         static_lifetime_input_indices=self.static_lifetime_input_indices)
             timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True)
         except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
-            log.info("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
+            log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
                      type(error).__name__, error)
             return None
-        log.info("memcompile: stock partition at activation_memory_budget=%s: checked peak %s", fraction,
+        log.debug("memcompile: stock partition at activation_memory_budget=%s: checked peak %s", fraction,
                  format_bytes(timeline.peak_bytes))
         # Forward ops the partitioner placed in the backward are its recomputations.
         recomputed_s = sum(estimate_node_time_s(n, self.profile) for n in bw.graph.nodes
@@ -808,6 +836,7 @@ def plan_joint_graph(
     """`_plan_joint_graph`, with a last resort: if planning itself fails (a bug, an op a pass
     cannot read), PyTorch's own partition runs, with a warning, instead of killing the run.
     An infeasible budget is not a failure: InfeasibleBudgetError (and NoSolverPlanFits) propagate."""
+    token = _CHECK_S.set([0.0])
     try:
         return _plan_joint_graph(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                  static_lifetime_input_indices=static_lifetime_input_indices,
@@ -827,6 +856,8 @@ def plan_joint_graph(
                 message + ". Please report the error; on_unplanned=\"warn\" runs that partition anyway.") from error
         log.warning("%s; running it", message, exc_info=log.isEnabledFor(logging.DEBUG))
         return fw, bw, plan
+    finally:
+        _CHECK_S.reset(token)
 
 
 def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, options, graph_id, error):

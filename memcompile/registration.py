@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.fx as fx
 
 from memcompile.backend import Backend
+from memcompile.device_budget import parse_relative
 from memcompile.options import Options, make_options, parse_bytes
 
 NAME = "memcompile"
@@ -65,9 +66,10 @@ def options_from(options: Mapping[str, object] | None, environ: Mapping[str, str
         )
     if "reserve" not in given and environ.get(RESERVE_ENV):
         given["reserve"] = parse_bytes(environ[RESERVE_ENV], name=RESERVE_ENV, allow_zero=True)
-    budget_bytes = parse_bytes(limit, name=source)
+    # a size in bytes, or one relative to the device ("90%", "free": resolved at the first graph)
+    budget = limit if parse_relative(limit, name=source) else parse_bytes(limit, name=source)
     try:
-        return make_options(budget_bytes, **given)
+        return make_options(budget, **given)
     except TypeError as error:  # unknown keys: say where they came from, and that "budget" is one too
         raise TypeError(f'torch.compile(backend="{NAME}", options=...): {error}, plus "budget"') from error
 

@@ -9,6 +9,7 @@ the step hands on: forward outputs (held by the caller until the step ends), sav
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,11 @@ SAVED = "saved_activations"
 TEMPORARY = "temporaries"
 GRADIENT = "gradients"
 OUTPUT = "outputs"
+SCRATCH = "op_scratch_and_workspace"  # what the op allocates inside itself (not a storage)
+# Every category, in the order a picture stacks them (what the step starts with at the bottom).
+CATEGORIES = (STATIC, GRADIENT, SAVED, OUTPUT, TEMPORARY, SCRATCH)
+# The largest storages live at the peak that the timeline lists (LivenessTimeline.peak_tensors).
+PEAK_TENSORS = 12
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class LiveStep:
     phase: str  # "forward" | "backward"
     node: str
     live_bytes: int
+    by_category: tuple[int, ...] = ()  # live_bytes split by CATEGORIES (in that order)
 
 
 @dataclass(frozen=True)
@@ -62,10 +69,22 @@ class LivenessTimeline:
     peak_bytes: int
     peak_index: int
     peak_breakdown: tuple[tuple[str, int], ...]  # (category, bytes) live at the peak
+    # (name, category, bytes) of the largest storages live at the peak, largest first
+    peak_tensors: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def peak_step(self) -> LiveStep:
         return self.steps[self.peak_index]
+
+    def category_series(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Per category (CATEGORIES order), its live bytes at every step; () if not recorded."""
+        if not self.steps or any(len(s.by_category) != len(CATEGORIES) for s in self.steps):
+            return ()
+        return tuple((c, tuple(s.by_category[i] for s in self.steps)) for i, c in enumerate(CATEGORIES))
+
+    def backward_start(self) -> int:
+        """The index of the first backward step (-1: none)."""
+        return next((i for i, s in enumerate(self.steps) if s.phase == "backward"), -1)
 
 
 @dataclass
@@ -78,6 +97,7 @@ class _Storage:
     from_input: bool = False  # a graph input (tangent): not Inductor's to overwrite
     dtype: object = None  # with nbytes, what Inductor matches a freed buffer for reuse by
     aligned: bool = True  # also in that match (see ScheduledBuffer.aligned)
+    label: str = ""  # what to call it in the plan when its key is not readable (Inductor's buffers)
 
 
 def _storage_roots(gm: fx.GraphModule, prefix: str, placeholder_key, inlined: set) -> tuple[dict, dict]:
@@ -240,7 +260,8 @@ def analyze_liveness(
         peak["breakdown"] = ((STATIC, static_bytes),)
     peak_index = max(range(len(steps)), key=lambda i: steps[i].live_bytes)
     return LivenessTimeline(
-        tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"]
+        tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"],
+        peak.get("tensors", ()),
     )
 
 
@@ -469,7 +490,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             for buf in kernel.allocates:
                 key = prefix + buf.name
                 key_of[buf.name] = key
-                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype, aligned=buf.aligned)
+                label = kernel.name if len(kernel.allocates) == 1 else f"{kernel.name} [{buf.name}]"
+                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype, aligned=buf.aligned, label=label)
         return key_of
 
     def run(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, key_of: dict[str, str]) -> None:
@@ -548,7 +570,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
         steps.append(LiveStep("forward", "<empty>", static_bytes))
         peak["breakdown"] = ((STATIC, static_bytes),)
     peak_index = max(range(len(steps)), key=lambda i: steps[i].live_bytes)
-    return LivenessTimeline(tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"])
+    return LivenessTimeline(tuple(steps), static_bytes, steps[peak_index].live_bytes, peak_index, peak["breakdown"],
+                            peak.get("tensors", ()))
 
 
 def _frees_after(kernels: list[ScheduledKernel]) -> tuple[bool, ...]:
@@ -559,17 +582,29 @@ def _frees_after(kernels: list[ScheduledKernel]) -> tuple[bool, ...]:
 
 
 def _record_step(steps: list, peak: dict, live: dict[str, _Storage], phase: str, name: str, scratch: int) -> None:
-    """One step's live bytes (live storages plus the op's scratch); the breakdown by category
-    at a new peak."""
-    total = sum(s.nbytes for s in live.values()) + scratch
-    steps.append(LiveStep(phase, name, total))
+    """One step's live bytes (live storages plus the op's scratch), split by category; at a
+    new peak, the breakdown and the largest storages live."""
+    split = dict.fromkeys(CATEGORIES, 0)
+    for s in live.values():
+        split[s.category] += s.nbytes
+    split[SCRATCH] = scratch
+    total = sum(split.values())
+    steps.append(LiveStep(phase, name, total, tuple(split.values())))
     if total > peak["bytes"]:
         by_category: dict[str, int] = {}
         for s in live.values():
             by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
-        by_category["op_scratch_and_workspace"] = scratch
+        by_category[SCRATCH] = scratch
         peak["bytes"] = total
         peak["breakdown"] = tuple(sorted(by_category.items()))
+        largest = heapq.nlargest(PEAK_TENSORS, live.items(), key=lambda item: item[1].nbytes)
+        peak["tensors"] = tuple((_label(key, s), s.category, s.nbytes) for key, s in largest if s.nbytes)
+
+
+def _label(key: str, storage: _Storage) -> str:
+    """A storage's name for the plan: its creator's (a forward node, or a backward one)."""
+    name = storage.label or (key[3:] if key.startswith("bw:") else key)
+    return f"{name} (backward)" if key.startswith("bw:") else name
 
 
 def _hand_on_outputs(outputs: list[tuple[int, fx.Node, str | None]], storages: dict[str, _Storage],

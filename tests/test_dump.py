@@ -88,7 +88,7 @@ def svg_roots(html: str) -> list[ET.Element]:
 def test_json_round_trip(real_backend, tmp_path):
     plans = all_plans(real_backend)
     text = to_json(plans)
-    assert json.loads(text)["schema_version"] == 2
+    assert json.loads(text)["schema_version"] == 3
     assert plans_from_json(text) == plans
     assert to_json(plans_from_json(text)) == text  # stable output
     path = tmp_path / "plans.json"
@@ -102,7 +102,7 @@ def test_json_spells_non_finite_floats_and_rejects_other_versions():
     text = to_json([plan])
     assert "Infinity" not in text and plans_from_json(text) == [plan]
     with pytest.raises(ValueError, match="schema_version"):
-        plans_from_json(json.dumps({"schema_version": 3, "plans": []}))
+        plans_from_json(json.dumps({"schema_version": 4, "plans": []}))
     broken = json.loads(text)
     del broken["plans"][0]["gap"]
     with pytest.raises(ValueError, match="gap"):

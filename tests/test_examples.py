@@ -37,7 +37,7 @@ def test_train_loop_with_adamw_reserve():
     torch.testing.assert_close(torch.tensor(r.compiled_losses), torch.tensor(r.eager_losses), rtol=1e-5, atol=0)
     assert r.eager_peak_bytes > r.budget_bytes  # the budget binds: eager would not fit
     assert _recomputes(r.plans)
-    assert all(p.reserve_bytes == r.reserve_bytes > 0 for p in r.plans)
+    assert all(p.reserve_bytes == p.optimizer_reserve_bytes == r.reserve_bytes > 0 for p in r.plans)  # optimizer=
     assert all(p.predicted_peak_bytes <= r.budget_bytes - r.reserve_bytes for p in r.plans)
     # Whole iterations (forward, backward, AdamW step) with the optimizer state live stay within the budget.
     assert len(r.compiled_peak_bytes) == 2
@@ -106,10 +106,26 @@ def test_per_block_below_the_least_joint_plan_raises_the_typed_error_and_its_min
     assert max(r.step_peaks_bytes) <= r.predicted_step_peak_bytes <= r.budget_bytes
 
 
-def test_hugging_face_trainer_tiny_llama():
+def test_hugging_face_trainer_compile_for_trainer_reserves_the_trainers_adamw_state():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     r = _example("hf_trainer").run(steps=2, **FAST)
+    _assert_all_close(r.compiled.first_grads, r.eager.first_grads)
+    torch.testing.assert_close(torch.tensor(r.compiled.losses), torch.tensor(r.eager.losses), rtol=1e-5, atol=0)
+    state = r.compiled.optimizer_state_bytes
+    assert state > 0
+    # the callback counted the Trainer's optimizer (created inside train()) before anything compiled
+    assert all(p.optimizer_reserve_bytes == p.reserve_bytes == state for p in r.plans)
+    assert all("AdamW" in p.optimizer_source for p in r.plans)
+    assert max(r.eager.step_peaks) > r.budget_bytes - state  # the step budget binds
+    assert _recomputes(r.plans)
+    assert max(r.compiled.step_peaks) + state <= r.budget_bytes
+
+
+def test_hugging_face_trainer_tiny_llama_by_name():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    r = _example("hf_trainer").run_by_name(steps=2, **FAST)
     _assert_all_close(r.compiled.first_grads, r.eager.first_grads)
     torch.testing.assert_close(torch.tensor(r.compiled.losses), torch.tensor(r.eager.losses), rtol=1e-5, atol=0)
     assert len(r.compiled.losses) == 2
