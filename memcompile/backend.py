@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
+from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import blas_workspace_bytes, profile_for
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads
@@ -666,8 +667,18 @@ class Backend:
             self.options = dataclasses.replace(self.options, reserve_bytes=self.options.reserve_bytes + workspace,
                                                library_workspace_bytes=workspace)
 
+    def round_to_allocator(self, example_inputs: Sequence[Any]) -> None:
+        """Size each allocation as the step's device allocator holds it (on CUDA: the caching
+        allocator's 512 B blocks, under the allocator settings of this process), once."""
+        if self.options.allocator_rounding != EXACT:
+            return
+        rounding = allocator_rounding_for(step_device(example_inputs), os.environ)
+        if rounding != EXACT:
+            self.options = dataclasses.replace(self.options, allocator_rounding=rounding)
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         self.reserve_library_workspace(example_inputs)
+        self.round_to_allocator(example_inputs)
         region = _Region(self, gm, example_inputs)
         try:
             region.compile_first()
