@@ -35,11 +35,17 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "tiny": dict(layers=2, hidden=64, heads=4, vocab=512, batch=2, seq=32),
         "small": dict(layers=2, hidden=128, heads=4, vocab=2048, batch=4, seq=128),
         "medium": dict(layers=4, hidden=256, heads=4, vocab=8192, batch=4, seq=128),
+        # The real GPT-2 small (124M parameters), at a batch and length where activations dominate
+        # (benchmarks/gpu_check.py on a CUDA machine).
+        "gpu": dict(layers=12, hidden=768, heads=12, vocab=50257, batch=8, seq=1024),
     },
     "llama": {
         "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=172, vocab=512, batch=2, seq=32),
         "small": dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=344, vocab=2048, batch=4, seq=128),
         "medium": dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=688, vocab=8192, batch=4, seq=128),
+        # Llama-style, 333M parameters: 24 x 1024, grouped-query attention (16 query heads, 4 KV
+        # heads), SwiGLU 2816, Llama 2's 32000-token vocabulary, untied head (benchmarks/gpu_check.py).
+        "gpu": dict(layers=24, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000, batch=8, seq=1024),
     },
     "bert": {
         "tiny": dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=512, batch=2, seq=32),

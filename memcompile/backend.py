@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile import logs
+from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import blas_workspace_bytes, profile_for
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
@@ -869,6 +870,15 @@ class Backend:
             log.info("%s", logs.step_summary(self.predicted_step_peak(), self.options, self.regions, calls,
                                              self.compile_s))
 
+    def round_to_allocator(self, example_inputs: Sequence[Any]) -> None:
+        """Size each allocation as the step's device allocator holds it (on CUDA: the caching
+        allocator's 512 B blocks, under the allocator settings of this process), once."""
+        if self.options.allocator_rounding != EXACT:
+            return
+        rounding = allocator_rounding_for(step_device(example_inputs), os.environ)
+        if rounding != EXACT:
+            self.options = dataclasses.replace(self.options, allocator_rounding=rounding)
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         try:
             self.options = with_resolved_budget(self.options, example_inputs)  # budget("90%"), "free"
@@ -878,6 +888,7 @@ class Backend:
         self.reserve_library_workspace(example_inputs)
         what, began = f"region {self.regions}", time.perf_counter()
         self.regions += 1
+        self.round_to_allocator(example_inputs)
         region = _Region(self, gm, example_inputs)
         try:
             with logs.progress(what):

@@ -11,6 +11,8 @@ from typing import Sequence
 from memcompile.device_budget import device_memory, input_device, parse_relative, resolve_relative
 from memcompile.optimizer_state import OptimizerReserve, optimizer_reserve
 
+from memcompile.cost_models.cuda_allocator import EXACT, AllocatorRounding
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -78,6 +80,10 @@ class Options:
     # Part of reserve_bytes: the matmul library's workspaces on the step's device (set by the
     # backend from the first graph's inputs; cost_models/device.py blas_workspace_bytes).
     library_workspace_bytes: int = 0
+    # What one allocation holds on the step's device: the CUDA caching allocator's blocks (512 B
+    # multiples, see cost_models/cuda_allocator.py), exact bytes elsewhere. Set by the backend from
+    # the first graph's inputs and the allocator settings in the environment, like the workspaces.
+    allocator_rounding: AllocatorRounding = EXACT
     # Chunk linear -> cross_entropy loss heads by token rows (passes/loss_head.py): "auto" when no
     # plan fits without it or it is estimated faster (memcompile/backend.py), True always, False never.
     chunk_loss: bool | str = "auto"

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile import logs
+from memcompile.cost_models.cuda_allocator import EXACT, AllocatorRounding
 from memcompile.cost_models.device import profile_for
 from memcompile.cost_models.node_cost import estimate_node_time_s
 from memcompile.errors import InfeasibleBudgetError, PlanningFailedError
@@ -81,11 +82,13 @@ def _runs_under_inductor(options: Options) -> bool:
     return options.codegen == "inductor"
 
 
-def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = False) -> _Attempt:
+def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = False,
+                       rounding: AllocatorRounding = EXACT) -> _Attempt:
     # `fuse`: the graphs go to Inductor, which stores only what passes/fusion.py predicts it
-    # materializes; the FX interpreter (aot_eager) stores every node's result.
+    # materializes; the FX interpreter (aot_eager) stores every node's result. `rounding`: what
+    # each allocation holds on the step's device (Options.allocator_rounding).
     fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored)
-    return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse))
+    return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse, rounding))
 
 
 # Under Inductor the check predicts what Inductor's wrapper holds: its kernels in its order, with
@@ -119,25 +122,28 @@ def predicted_inference_peak(graph: fx.GraphModule) -> int:
 _CHECK_S: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("memcompile_check_s", default=None)
 
 
-def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
+def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool,
+                       rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
     """_predicted_liveness, its time added to the current planning's check time."""
     began = time.perf_counter()
     try:
-        return _predicted_liveness(fw, bw, num_fwd_outputs, inductor)
+        return _predicted_liveness(fw, bw, num_fwd_outputs, inductor, rounding)
     finally:
         spent = _CHECK_S.get()
         if spent is not None:
             spent[0] += time.perf_counter() - began
 
 
-def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool) -> LivenessTimeline:
+def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool,
+                        rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
     """The liveness of the graphs as they will run. Under Inductor (when FUSION_CHECK): of copies
     after Inductor's post-grad passes (they move ops: `mm + add` becomes one addmm at the add,
     holding the mm's inputs until then), over the kernels Inductor's scheduler makes of them, in
     its order (fusing nodes far apart runs them early; a fused kernel's results coexist); if
     scheduling fails, the larger of graph order with fusion modelled (passes/fusion.py) and every
-    FX node a buffer; if the post-grad passes fail, or without Inductor, the latter."""
-    unfused = analyze_liveness(fw, bw, num_fwd_outputs)
+    FX node a buffer; if the post-grad passes fail, or without Inductor, the latter. Each
+    allocation holds what `rounding` says its block holds (cost_models/cuda_allocator.py)."""
+    unfused = analyze_liveness(fw, bw, num_fwd_outputs, rounding=rounding)
     if not inductor or not FUSION_CHECK:
         return unfused
     try:
@@ -158,12 +164,14 @@ def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
     else:
         try:
             schedules = tp.inductor_schedule(fw_seen, is_backward=False), tp.inductor_schedule(bw_seen, is_backward=True)
-            return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names)
+            return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names,
+                                              rounding=rounding)
         except Exception as error:  # noqa: BLE001 - the prediction must not fail the compile
             log.warning("memcompile: scheduling a copy of the graphs with Inductor failed (%s: %s); "
                         "predicting in graph order", type(error).__name__, error)
     # Graph order misses what Inductor's schedule moves: the larger of both counts.
-    fused = analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True, saved_names=saved_names)
+    fused = analyze_liveness(fw_seen, bw_seen, num_fwd_outputs, fuse_pointwise=True, saved_names=saved_names,
+                             rounding=rounding)
     return fused if fused.peak_bytes > unfused.peak_bytes else unfused
 
 
@@ -242,7 +250,7 @@ def _plan_joint_graph(
     fuse = _runs_under_inductor(options)
     baseline = _rewrite_and_check(
         joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
-        fuse=fuse,
+        fuse=fuse, rounding=options.allocator_rounding,
     )
     before = baseline.timeline
     uncalibrated = problem
@@ -253,7 +261,7 @@ def _plan_joint_graph(
     # precision and was faster than the solver's plans (Llama small at 13.53 MiB with int8
     # allowed: 1.28x the step, with nothing quantized, where the 0.4 partition ran at 1.15x).
     stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
-                            {n.name for n in analysis.forward_nodes}) \
+                            {n.name for n in analysis.forward_nodes}, options.allocator_rounding) \
         if fuse and STOCK_CANDIDATES and not store.offload else None
     replanner = Replanner(joint, analysis, num_fwd_outputs, options, baseline, uncalibrated, stock=stock)
     chosen = None
@@ -285,7 +293,8 @@ def _plan_joint_graph(
         # 0.997x (decisive_bert_small_asfast_s20b). Where it fits under Inductor's own rules,
         # it runs under them.
         with tp.stock_inductor_rules():
-            as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, True)
+            as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, True,
+                                          options.allocator_rounding)
         if as_stock.peak_bytes <= budget:
             chosen, stock_rules = dataclasses.replace(chosen, timeline=as_stock), True
     after = chosen.timeline
@@ -375,6 +384,7 @@ class StockPartitions:
     static_lifetime_input_indices: list[int] | None
     profile: object
     forward_names: set[str]  # forward ops found in the backward are recomputations
+    rounding: AllocatorRounding = EXACT  # what each allocation holds on the step's device
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
 
@@ -401,7 +411,7 @@ class StockPartitions:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
                                         num_fwd_outputs=self.num_fwd_outputs,
                                         static_lifetime_input_indices=self.static_lifetime_input_indices)
-            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True)
+            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True, self.rounding)
         except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
                      type(error).__name__, error)
@@ -578,7 +588,7 @@ class Replanner:
             if solution.status == "infeasible":
                 break
             attempt = _rewrite_and_check(self.joint, self.analysis, solution, self.num_fwd_outputs,
-                                         _runs_under_inductor(self.options))
+                                         _runs_under_inductor(self.options), self.options.allocator_rounding)
             checked = attempt.timeline.peak_bytes
             log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
                       checked, solution.status)
@@ -629,7 +639,8 @@ class Replanner:
                 peak_bytes, added = evaluate(problem, *decisions)
                 other = _rewrite_and_check(self.joint, self.analysis,
                                            ActivationSolution(*decisions, peak_bytes, added, "feasible", 0.0, 0.0),
-                                           self.num_fwd_outputs, _runs_under_inductor(self.options))
+                                           self.num_fwd_outputs, _runs_under_inductor(self.options),
+                                           self.options.allocator_rounding)
                 log.debug("repair: recompute %s: graph peak %d", problem.names[i], other.timeline.peak_bytes)
                 if other.timeline.peak_bytes <= budget:
                     return other
@@ -650,7 +661,7 @@ class Replanner:
         if isinstance(decisions, StockSolution):
             return self.stock.at(decisions.fraction) if self.stock is not None else None
         return _rewrite_and_check(self.joint, self.analysis, decisions, self.num_fwd_outputs,
-                                  _runs_under_inductor(self.options))
+                                  _runs_under_inductor(self.options), self.options.allocator_rounding)
 
     def least_peak_and_solve_s(self) -> tuple[_Attempt, float]:
         """The least-peak plan (deterministic, so made once: an infeasible first compile and the
@@ -713,8 +724,8 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
     problem = analysis.problem
     least = solve_cached(solve_min_peak, problem, time_limit_s=options.time_limit_s,
                          workers=options.workers, seed=options.seed)
-    fuse = _runs_under_inductor(options)
-    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse)
+    fuse, rounding = _runs_under_inductor(options), options.allocator_rounding
+    attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse, rounding)
     others = [close_decisions(problem, prefer_recompute=set(range(len(problem.names))))]
     if uncalibrated is not None and uncalibrated != problem:
         others.append(solve_cached(solve_min_peak, uncalibrated, time_limit_s=options.time_limit_s,
@@ -741,10 +752,10 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
             continue
         peak, added = evaluate(problem, *decisions)
         other = _rewrite_and_check(joint, analysis, ActivationSolution(*decisions, peak, added, least.status,
-                                                                       0.0, 0.0), num_fwd_outputs, fuse)
+                                                                       0.0, 0.0), num_fwd_outputs, fuse, rounding)
         if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
             attempt = other
-    attempt = _descend_on_check(joint, analysis, num_fwd_outputs, fuse, attempt)
+    attempt = _descend_on_check(joint, analysis, num_fwd_outputs, fuse, attempt, rounding)
     if lossless is not None and lossless.timeline.peak_bytes <= attempt.timeline.peak_bytes:
         attempt = lossless  # as low without quantizing: no error for nothing
     if baseline.timeline.peak_bytes < attempt.timeline.peak_bytes:
@@ -764,7 +775,8 @@ _DESCENT_TRIES = 8
 _DESCENT_TRIES_WITH_STORE = 12
 
 
-def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _Attempt) -> _Attempt:
+def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _Attempt,
+                      rounding: AllocatorRounding = EXACT) -> _Attempt:
     problem = analysis.problem
     limit = _DESCENT_TRIES_WITH_STORE if problem.store_choices else _DESCENT_TRIES
     tries = 0
@@ -783,7 +795,7 @@ def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _At
             peak, added = evaluate(problem, *decisions)
             other = _rewrite_and_check(joint, analysis, ActivationSolution(*decisions, peak, added,
                                                                            attempt.solution.status, 0.0, 0.0),
-                                       num_fwd_outputs, fuse)
+                                       num_fwd_outputs, fuse, rounding)
             if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
                 attempt = other
                 break
@@ -864,7 +876,7 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
     fw, bw = tp.stock_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=static_lifetime_input_indices)
     try:
-        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _runs_under_inductor(options))
+        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _runs_under_inductor(options), options.allocator_rounding)
         peak, steps = timeline.peak_bytes, tuple(s.live_bytes for s in timeline.steps)
         phase, node, breakdown = timeline.peak_step.phase, timeline.peak_step.node, timeline.peak_breakdown
     except Exception:  # noqa: BLE001 - the prediction is informative only here

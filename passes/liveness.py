@@ -4,7 +4,10 @@ The unit of memory is a *storage*: a view (or an in-place write) shares the stor
 so aliases are counted once. A storage is allocated by the node that creates it, stays live
 while any alias of it may still be read, and is freed right after its last reader, except what
 the step hands on: forward outputs (held by the caller until the step ends), saved tensors
-(held until their last backward reader) and gradients (accumulated into `.grad`).
+(held until their last backward reader) and gradients (accumulated into `.grad`). It holds the
+bytes of its allocator's block (`rounding`: on CUDA the caching allocator's 512 B blocks,
+cost_models/cuda_allocator.py; on the CPU exactly its bytes); buffers are matched for reuse and
+in-place writes by their exact sizes, as Inductor matches them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
+from memcompile.cost_models.cuda_allocator import EXACT, AllocatorRounding
 from memcompile.passes.fusion import FusionPrediction, FusionRules, predict_fusion
 from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledKernel
 from memcompile.passes.graph_facts import (
@@ -89,7 +93,7 @@ class LivenessTimeline:
 
 @dataclass
 class _Storage:
-    nbytes: int
+    nbytes: int  # the tensor's bytes (what Inductor's reuse and in-place rules compare)
     category: str
     last_step: int = -1
     pinned: bool = False  # held past the phase (outputs, saved tensors, grads, static)
@@ -98,6 +102,11 @@ class _Storage:
     dtype: object = None  # with nbytes, what Inductor matches a freed buffer for reuse by
     aligned: bool = True  # also in that match (see ScheduledBuffer.aligned)
     label: str = ""  # what to call it in the plan when its key is not readable (Inductor's buffers)
+    held: int = -1  # the bytes its allocation holds on the device (-1: nbytes)
+
+    def __post_init__(self) -> None:
+        if self.held < 0:
+            self.held = self.nbytes
 
 
 def _storage_roots(gm: fx.GraphModule, prefix: str, placeholder_key, inlined: set) -> tuple[dict, dict]:
@@ -165,7 +174,7 @@ def _fusion(gm: fx.GraphModule, fuse_pointwise: bool) -> _Fusion:
 
 def analyze_liveness(
     fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int, *, fuse_pointwise: bool = False,
-    saved_names: tuple[str | None, ...] | None = None,
+    saved_names: tuple[str | None, ...] | None = None, rounding: AllocatorRounding = EXACT,
 ) -> LivenessTimeline:
     """Timeline of live bytes over `fw` then `bw` (AOTAutograd's partitioned graphs).
 
@@ -176,6 +185,7 @@ def analyze_liveness(
     it every node's result is a buffer, as when the FX interpreter runs the graph.
     `saved_names`: the names the backward's placeholders know the forward's outputs by, when `fw`
     renamed them (Inductor's post-grad passes turn `add_1 = mm + x` into `addmm_default_1`).
+    `rounding`: the bytes each allocation holds on the step's device (cost_models/cuda_allocator.py).
     """
     storages: dict[str, _Storage] = {}
     steps: list[LiveStep] = []
@@ -183,12 +193,13 @@ def analyze_liveness(
     peak = {"bytes": -1, "breakdown": ()}
 
     def live_total() -> int:
-        return sum(s.nbytes for s in live.values())
+        return sum(s.held for s in live.values())
 
     def record(phase: str, node: fx.Node, fused: _Fusion) -> None:
         # An inlined body runs inside its consumer's kernel: no kernel, no transients of its own.
         # With fusion modelled the graph is Inductor's (its layout of convolutions, too).
-        scratch = OP_SCRATCH_BYTES + (0 if node in fused.inlined else transient_bytes(node, fused.enabled))
+        transient = 0 if node in fused.inlined else transient_bytes(node, fused.enabled)
+        scratch = OP_SCRATCH_BYTES + rounding.allocated_bytes(transient)
         _record_step(steps, peak, live, phase, node.name, scratch)
 
     # ---- forward
@@ -197,7 +208,8 @@ def analyze_liveness(
     fw_nodes = [n for n in fw.graph.nodes if n.op not in ("placeholder", "output")]
     for key, (nbytes, creator) in fw_created.items():
         category = STATIC if creator.op == "placeholder" else TEMPORARY
-        storages[key] = _Storage(nbytes, category, pinned=creator.op == "placeholder", dtype=_dtype_of(key, creator))
+        storages[key] = _Storage(nbytes, category, pinned=creator.op == "placeholder", dtype=_dtype_of(key, creator),
+                                 held=rounding.allocated_bytes(nbytes))
     _mark_last_reads(fw_nodes, fw_roots, fw_fused, storages)
     fw_out = fw.graph.find_nodes(op="output")[0]
     fw_out_args = list(fw_out.args[0])
@@ -230,7 +242,7 @@ def analyze_liveness(
             # 4-byte loss gradient counted freed after its first kernel put the check 4 B under.
             tangent = creator.op == "placeholder"
             storages[key] = _Storage(nbytes, TEMPORARY, from_input=tangent, pinned=tangent,
-                                     dtype=_dtype_of(key, creator))
+                                     dtype=_dtype_of(key, creator), held=rounding.allocated_bytes(nbytes))
         # Saved tensors are released by the backward after their last reader there; one that is
         # also a user output (logits returned and saved for the loss) is the caller's until the
         # step ends.
@@ -448,14 +460,16 @@ def _keys_by_creator(created: dict[str, tuple[int, fx.Node]]) -> dict[fx.Node, l
 
 def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int,
                                fw_schedule: InductorSchedule, bw_schedule: InductorSchedule | None,
-                               saved_names: tuple[str | None, ...] | None = None) -> LivenessTimeline:
+                               saved_names: tuple[str | None, ...] | None = None,
+                               rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
     """Timeline of live bytes as Inductor's wrapper runs `fw` then `bw`: over its kernels in its
     order (passes/inductor_schedule.py), each kernel one step that allocates all its buffers
     before any of its inputs is freed. `fw`/`bw` are the graphs the schedules were built from
     (after Inductor's post-grad passes): their placeholders, outputs and library kernels' nodes.
     The same rules as analyze_liveness otherwise: storages freed after their last reader, unless
     handed on; a result written over a dying input of the same size; freed buffers held for a
-    later allocation of the same size and dtype (_pool_reuses)."""
+    later allocation of the same size and dtype (_pool_reuses); each allocation holding what
+    `rounding` says its block holds."""
     storages: dict[str, _Storage] = {}
     steps: list[LiveStep] = []
     live: dict[str, _Storage] = {}
@@ -470,7 +484,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             # attention's backward given strided views measured 32 KiB of scratch, not copies.
             origin = _node_named(graph, kernel.extern_origin)
             if origin is not None:
-                transient = kernel_workspace_bytes(origin, inductor=True) + promotion_copy_bytes(origin)
+                transient = rounding.allocated_bytes(kernel_workspace_bytes(origin, inductor=True)
+                                                     + promotion_copy_bytes(origin))
                 if counted_exactly(origin):
                     margin = 0
         _record_step(steps, peak, live, phase, kernel.name, margin + transient)
@@ -491,7 +506,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
                 key = prefix + buf.name
                 key_of[buf.name] = key
                 label = kernel.name if len(kernel.allocates) == 1 else f"{kernel.name} [{buf.name}]"
-                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype, aligned=buf.aligned, label=label)
+                storages[key] = _Storage(buf.nbytes, TEMPORARY, dtype=buf.dtype, aligned=buf.aligned, label=label,
+                                         held=rounding.allocated_bytes(buf.nbytes))
         return key_of
 
     def run(phase: str, graph: fx.GraphModule, schedule: InductorSchedule, key_of: dict[str, str]) -> None:
@@ -514,8 +530,9 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     # ---- forward
     def fw_input(node: fx.Node) -> str:
         key = node.name
-        storages[key] = _Storage(tensor_nbytes(node.meta.get("val")), STATIC, pinned=True,
-                                 dtype=str(getattr(node.meta.get("val"), "dtype", None)))
+        nbytes = tensor_nbytes(node.meta.get("val"))
+        storages[key] = _Storage(nbytes, STATIC, pinned=True, dtype=str(getattr(node.meta.get("val"), "dtype", None)),
+                                 held=rounding.allocated_bytes(nbytes))
         return key
 
     fw_keys = walk("forward", fw, fw_schedule, "", fw_input)
@@ -525,7 +542,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     handed_on = _hand_on_outputs([(i, arg, fw_keys.get(name) if name is not None else None)
                                   for i, (arg, name) in enumerate(zip(fw_out_args, fw_schedule.outputs))
                                   if isinstance(arg, fx.Node)], storages, live, num_fwd_outputs, saved_names)
-    static_bytes = sum(s.nbytes for s in live.values())
+    static_bytes = sum(s.held for s in live.values())
     run("forward", fw, fw_schedule, fw_keys)
 
     # ---- backward
@@ -537,8 +554,9 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
             if tp.is_tangent(node):
                 key = f"bw:{node.name}"
                 val = node.meta.get("val")
-                storages[key] = _Storage(tensor_nbytes(val), TEMPORARY, from_input=True, pinned=True,
-                                         dtype=str(getattr(val, "dtype", None)))
+                nbytes = tensor_nbytes(val)
+                storages[key] = _Storage(nbytes, TEMPORARY, from_input=True, pinned=True,
+                                         dtype=str(getattr(val, "dtype", None)), held=rounding.allocated_bytes(nbytes))
                 live[key] = storages[key]
                 return key
             return None
@@ -586,14 +604,14 @@ def _record_step(steps: list, peak: dict, live: dict[str, _Storage], phase: str,
     new peak, the breakdown and the largest storages live."""
     split = dict.fromkeys(CATEGORIES, 0)
     for s in live.values():
-        split[s.category] += s.nbytes
+        split[s.category] += s.held
     split[SCRATCH] = scratch
     total = sum(split.values())
     steps.append(LiveStep(phase, name, total, tuple(split.values())))
     if total > peak["bytes"]:
         by_category: dict[str, int] = {}
         for s in live.values():
-            by_category[s.category] = by_category.get(s.category, 0) + s.nbytes
+            by_category[s.category] = by_category.get(s.category, 0) + s.held
         by_category[SCRATCH] = scratch
         peak["bytes"] = total
         peak["breakdown"] = tuple(sorted(by_category.items()))
