@@ -840,7 +840,7 @@ class Backend:
         def on_inference(graph: fx.GraphModule) -> None:
             record = _RECORD.get()
             if record is not None:
-                record.inference_peak_bytes = predicted_inference_peak(graph)
+                record.inference_peak_bytes = predicted_inference_peak(graph, options.allocator_rounding)
 
         if options.codegen == "inductor":
             return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference)

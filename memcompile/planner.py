@@ -111,11 +111,11 @@ def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
     return False
 
 
-def predicted_inference_peak(graph: fx.GraphModule) -> int:
+def predicted_inference_peak(graph: fx.GraphModule, rounding: AllocatorRounding = EXACT) -> int:
     """Peak bytes of an inference graph (AOTAutograd's, one phase, every output the user's), in
     graph order with every value a buffer: an upper bound of what Inductor's fused kernels hold."""
     outputs = graph.graph.find_nodes(op="output")[0].args[0]
-    return analyze_liveness(graph, None, len(outputs)).peak_bytes
+    return analyze_liveness(graph, None, len(outputs), rounding=rounding).peak_bytes
 
 
 # Seconds the checks of the planning under way have taken (Plan.check_s); None outside one.
