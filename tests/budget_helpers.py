@@ -27,7 +27,10 @@ def grads(params: list[torch.Tensor], step: Callable[[], torch.Tensor], seed: in
     if seed is not None:
         torch.manual_seed(seed)
     step().backward()
-    return [p.grad.clone() for p in params]
+    got = [p.grad.clone() for p in params]
+    for p in params:  # the next step starts without them, as a training step does after zero_grad
+        p.grad = None
+    return got
 
 
 def budget_range(module: torch.nn.Module, x: torch.Tensor, **options) -> tuple[int, int]:

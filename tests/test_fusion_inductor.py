@@ -81,6 +81,8 @@ def _measured_step(module, x, limit, **options):
     """Compile with Inductor under `limit`, warm up, measure one step: (plan, measured peak)."""
     backend = memcompile.budget(limit, time_limit_s=5, **options)
     compiled = torch.compile(module, backend=backend)
+    module.zero_grad(set_to_none=True)  # plain steps: gradients already there would count as accumulated
+    x.grad = None
     try:
         compiled(x).backward()
         module.zero_grad(set_to_none=True)
@@ -98,6 +100,8 @@ def test_fusion_aware_prediction_bounds_measured_peaks_under_budgets(arch, size,
     module = WithLoss(model)
     free_plan, free_peak = _measured_step(module, x, 10**12)
     assert free_peak <= free_plan.predicted_peak_bytes
+    module.zero_grad(set_to_none=True)
+    x.grad = None
     with pytest.raises(memcompile.InfeasibleBudgetError) as info:
         torch.compile(module, backend=memcompile.budget(1, time_limit_s=5))(x)  # fails while planning
     torch.compiler.reset()

@@ -16,6 +16,8 @@ def _run(model, x, limit):
     """Compile under `limit`, run one warm-up step, then measure one step; returns (plan, peak, grads)."""
     backend = memcompile.budget(limit, time_limit_s=5)
     compiled = torch.compile(WithLoss(model), backend=backend)
+    model.zero_grad(set_to_none=True)  # plain steps: gradients already there would count as accumulated
+    x.grad = None
     try:
         compiled(x).backward()
         model.zero_grad(set_to_none=True)

@@ -490,6 +490,7 @@ def test_auto_chunks_the_head_where_no_plan_fits_without_it() -> None:
 
     # a budget the whole head meets: "auto" leaves the graph as the user wrote it
     torch.compiler.reset()
+    model.zero_grad(set_to_none=True)
     backend, compiled = compile_under(model, keep_all)
     compiled(ids).backward()
     assert all(not p.graph_rewrites for p in backend.plans)
@@ -545,10 +546,12 @@ def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing() 
     chose = set()
     for budget in (keep_all - (keep_all - whole_floor) // 20, whole_floor + (keep_all - whole_floor) // 4):
         added = {}
+        model.zero_grad(set_to_none=True)
         for form in (False, True):
             torch.compiler.reset()
             backend, compiled = compile_under(model, budget, chunk_loss=form)
             compiled(ids).backward()
+            model.zero_grad(set_to_none=True)
             added[form] = backend.plans[0].added_time_s
         chunk = added[False] > chunking_s and added[True] + chunking_s < added[False]
         torch.compiler.reset()

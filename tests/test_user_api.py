@@ -30,6 +30,8 @@ FAST = {"codegen": "aot_eager", "time_limit_s": 2.0}
 
 
 def step(model: nn.Module, x: torch.Tensor, backend) -> None:
+    """One plain step (gradients reset first: accumulated ones would count in the budget)."""
+    model.zero_grad(set_to_none=True)
     torch.compile(model, backend=backend)(x).sum().backward()
 
 
@@ -179,6 +181,7 @@ def test_a_training_loop_logs_one_line_per_region_and_one_summary(caplog):
     backend = memcompile.budget(700_000, **FAST)
     compiled = torch.compile(model, backend=backend)
     for _ in range(3):
+        model.zero_grad(set_to_none=True)
         compiled(x).sum().backward()
     shown = [r.getMessage() for r in caplog.records if r.name == "memcompile" and r.levelno >= logging.INFO]
     assert len(shown) == 2, shown
