@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+from typing import Callable
 import dataclasses
 import logging
 import os
@@ -245,26 +246,43 @@ def _plan_joint_graph(
     problem = analysis.problem
     budget = options.step_budget_bytes
 
-    keep_all = close_decisions(problem, prefer_recompute=set())
-    model_peak, _ = evaluate(problem, *keep_all)
     fuse = _runs_under_inductor(options)
-    baseline = _rewrite_and_check(
-        joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
-        fuse=fuse, rounding=options.allocator_rounding,
-    )
-    before = baseline.timeline
-    uncalibrated = problem
-    analysis = _calibrated_to(analysis, baseline)
     # PyTorch's own partitions are candidates unless offload is allowed (on a device with its own
     # memory, copies overlapped with compute may cost less than any recomputation; not measured
     # yet). With lossy formats allowed they still come first: where one fits, it loses no
     # precision and was faster than the solver's plans (Llama small at 13.53 MiB with int8
     # allowed: 1.28x the step, with nothing quantized, where the 0.4 partition ran at 1.15x).
-    stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
-                            {n.name for n in analysis.forward_nodes}, options.allocator_rounding) \
-        if fuse and STOCK_CANDIDATES and not store.offload else None
-    replanner = Replanner(joint, analysis, num_fwd_outputs, options, baseline, uncalibrated, stock=stock)
-    chosen = None
+    stock_candidates = fuse and STOCK_CANDIDATES and not store.offload
+    forward_names = {n.name for n in analysis.forward_nodes}
+
+    def make_replanner() -> Replanner:
+        keep_all = close_decisions(problem, prefer_recompute=set())
+        model_peak, _ = evaluate(problem, *keep_all)
+        baseline = _rewrite_and_check(
+            joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
+            fuse=fuse, rounding=options.allocator_rounding,
+        )
+        stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
+                                forward_names, options.allocator_rounding) if stock_candidates else None
+        return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
+                         stock=stock)
+
+    plain = None
+    if stock_candidates and (request is None or (request.decisions is None and not request.least_peak)):
+        # Where plain Inductor's own partition fits under its own rules, it is the plan: the
+        # fastest we measured at that memory, found with one check instead of three (keep-all,
+        # the partition under memcompile's rules, then under Inductor's), each a lowering and
+        # schedule of the whole graph (70 of GPT-2 124M's 400 s first call, each, on a busy core).
+        logs.stage(f"{graph_id}: checking plain Inductor's partition")
+        plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
+                                          options.allocator_rounding)
+        if plain is not None and plain.timeline.peak_bytes > budget:
+            plain = None
+    replanner = DeferredReplanner(make_replanner) if plain is not None else make_replanner()
+    before = plain.timeline if plain is not None else replanner.keep_all.timeline
+    if plain is None:
+        analysis = replanner.analysis
+    chosen = plain
     solve_s = 0.0
     if request is not None:
         request.replanner = replanner
@@ -286,8 +304,8 @@ def _plan_joint_graph(
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
 
-    stock_rules = False
-    if isinstance(chosen.solution, StockSolution) and fuse:
+    stock_rules = chosen is plain
+    if isinstance(chosen.solution, StockSolution) and fuse and not stock_rules:
         # PyTorch's partition under memcompile's Inductor rules is not PyTorch's compile: BERT
         # small at the 0.8 partition's peak, 1.019x [1.007-1.030] the step where PyTorch's ran
         # 0.997x (decisive_bert_small_asfast_s20b). Where it fits under Inductor's own rules,
@@ -521,6 +539,40 @@ def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
         return solution.held_bytes
     return sum(problem.nbytes[i] for i in solution.keep) + sum(
         problem.choices_of(i)[k].stored_bytes for i, k in solution.stored)
+
+
+def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
+                              rounding: AllocatorRounding) -> "_Attempt | None":
+    """PyTorch's default partition (activation_memory_budget=1.0), checked as plain Inductor
+    compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked."""
+    try:
+        fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=1.0,
+                                    num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_indices=static_lifetime_input_indices)
+        with tp.stock_inductor_rules():
+            timeline = predicted_liveness(fw, bw, num_fwd_outputs, True, rounding)
+    except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
+        log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
+        return None
+    rows = _stock_decisions(fw, 1.0, num_fwd_outputs)
+    # added time 0: the 1.0 partition is the baseline the other partitions' added times count from
+    return _Attempt(StockSolution(1.0, 0.0, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
+
+
+class DeferredReplanner:
+    """A Replanner made on first use: where plain Inductor's partition is the plan, the keep-all
+    check and the rest are needed only if a step plan of several regions asks for options."""
+
+    def __init__(self, make: Callable[[], "Replanner"]) -> None:
+        self._make = make
+        self._made: Replanner | None = None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._made is None:
+            self._made = self._make()
+        return getattr(self._made, name)
 
 
 @dataclass
