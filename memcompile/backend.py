@@ -594,10 +594,14 @@ class _Region:
         position = ledger.begin_call(id(a) for a, held in zip(args, held_by_caller)
                                      if held and isinstance(a, torch.Tensor))
         try:
-            if position == 0:
-                backend.settle()
-            variant, outside = self._variant_for(position, planned_sizes != self.sizes)
-            variant, outside = self._fit_to_position(position, variant, outside, held_grads)
+            # Planning at a call (the step plan, a region re-planned mid-step) times ops and
+            # checks plans with random inputs: the step's random stream (its dropout masks) must
+            # not move, or a seeded step would not repeat.
+            with _random_state_kept(args):
+                if position == 0:
+                    backend.settle()
+                variant, outside = self._variant_for(position, planned_sizes != self.sizes)
+                variant, outside = self._fit_to_position(position, variant, outside, held_grads)
         except (InfeasibleBudgetError, StepOverrunError):
             self.sizes = planned_sizes  # smaller sizes keep running under their plan
             ledger.abort_step()  # the step stops here; the next call starts it again
@@ -613,6 +617,16 @@ class _Region:
         out = variant.fn(*args)
         _on_backward(out, backend.backward_ran)  # before user_outputs: returned logits' own path may never run
         return variant.user_outputs(out, args)
+
+
+def _random_state_kept(example_inputs: Sequence[Any]):
+    """The CPU generator's state, and that of each accelerator the inputs are on, restored after."""
+    devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
+    accelerators = sorted({d.index or 0 for d in devices if d.type not in ("cpu", "meta")})
+    kinds = {d.type for d in devices if d.type not in ("cpu", "meta")}
+    if len(kinds) != 1:
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=accelerators, device_type=kinds.pop())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -214,14 +214,16 @@ def _step(model, x, params, compiled, seed: int) -> int:
     return memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes
 
 
-def _reference(case: Case, model, x, params) -> list[torch.Tensor]:
-    if not case.dropout:
+def _reference(case: Case, model, x, params, codegen: str = "aot_eager") -> list[torch.Tensor]:
+    """Eager gradients; where random ops are drawn, PyTorch's own partition compiled the way the
+    case is (Inductor draws its random numbers its own way, from one seed per graph)."""
+    if not case.dropout and not (case.autocast and codegen == "inductor"):
         for p in params:
             p.grad = None
         torch.manual_seed(SEED)
         model(x).backward()
         return [p.grad.clone() for p in params]
-    compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+    compiled = torch.compile(model, backend="inductor" if codegen == "inductor" else "aot_eager_decomp_partition")
     try:
         for p in params:
             p.grad = None
@@ -309,7 +311,7 @@ def _run_case(case: Case, codegen: str, keep_all: int | None, began: float) -> O
     if case.break_in_loop:  # any budget: Dynamo skips the frame before a plan matters
         keep_all, expected = keep_all or 10**6, None
     else:
-        expected = _reference(case, model, x, params)
+        expected = _reference(case, model, x, params, codegen)
         keep_all = keep_all if keep_all is not None else keep_all_step_peak(case, codegen)
     budget = budget_for(case, keep_all)
     outcome, peaks, predicted, floor, error, note = _attempt(case, budget, codegen, expected)
