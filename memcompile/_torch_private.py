@@ -311,7 +311,11 @@ def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: flo
     configured one, 1.0 by default)."""
     if memory_budget is None:
         return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-    with _functorch_config.patch(activation_memory_budget=memory_budget):
+    # The same exact knapsack as PyTorch's default "dp" solver, in memory linear in the budget's
+    # resolution rather than a table of tensors (items x 10,001 floats) allocated mid-step: a
+    # region planned at a call must not allocate beyond the budget it plans for.
+    with _functorch_config.patch(activation_memory_budget=memory_budget,
+                                 activation_memory_budget_solver="dp_knapsack_sliding_hirschberg"):
         return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
