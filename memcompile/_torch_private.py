@@ -319,6 +319,16 @@ def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: flo
         return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def gelu_ops() -> frozenset:
+    """F.gelu as Dynamo records it (its C binding) and as users write it."""
+    return frozenset({torch.nn.functional.gelu, torch._C._nn.gelu})
+
+
+def silu_ops() -> frozenset:
+    """F.silu as Dynamo records it (its C binding) and as users write it."""
+    return frozenset({torch.nn.functional.silu, torch._C._nn.silu})
+
+
 def linear_ops() -> frozenset:
     """F.linear as Dynamo records it (its C binding, torch._C._nn.linear) and as users write it."""
     return frozenset({torch.nn.functional.linear, torch._C._nn.linear})

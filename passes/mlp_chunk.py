@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from memcompile import mlp_ops
-from memcompile._torch_private import linear_ops
+from memcompile._torch_private import gelu_ops, linear_ops, silu_ops
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.passes.graph_facts import node_adder, rewritten_copy
 
@@ -60,14 +60,14 @@ def _activation_of(node: object) -> str | None:
     """The mlp_ops activation name of an activation call, or None."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or len(node.args) != 1:
         return None
-    if node.target in (F.gelu, torch._C._nn.gelu):
+    if node.target in gelu_ops():
         approximate = node.kwargs.get("approximate", "none")
         if set(node.kwargs) - {"approximate"}:
             return None
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
     if node.kwargs.get("inplace", False) or set(node.kwargs) - {"inplace"}:
         return None
-    if node.target in (F.silu, torch._C._nn.silu):
+    if node.target in silu_ops():
         return "silu"
     if node.target in (F.relu, torch.relu):
         return "relu"
