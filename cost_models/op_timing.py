@@ -11,13 +11,15 @@ thread count) is run on random inputs once per process and its fastest time is t
 
 Only ops with a FLOP formula are timed (pointwise ops stay on the bandwidth roofline: Inductor
 fuses them, so a lone op's time says little). Not timed, the roofline stays: symbolic sizes,
-inputs and result above MAX_BYTES together (what a run allocates), and ops that fail on random
-inputs. A first call slower than MAX_CALL_S is not repeated. A process spends at most
+inputs and result above MAX_BYTES together (what a run allocates) or above the budget's headroom
+at the compile (`timing_allocation_limit`), and ops that fail on random inputs. A first call slower than MAX_CALL_S is not repeated. A process spends at most
 TIME_BUDGET_S measuring.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import time
@@ -36,6 +38,19 @@ TIME_OPS = os.environ.get("MEMCOMPILE_TIME_OPS", "1") != "0"
 
 _measured: dict[tuple, float | None] = {}
 _spent_s = [0.0]
+# What a timing run may allocate now: it runs inside the step's first call, beside the step's
+# tensors, so it must stay within the budget's headroom (set by the backend per compile).
+_allocation_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("timing_allocation_limit", default=None)
+
+
+@contextlib.contextmanager
+def timing_allocation_limit(limit_bytes: int):
+    """Ops timed inside allocate (inputs and result together) at most `limit_bytes`."""
+    token = _allocation_limit.set(max(0, limit_bytes))
+    try:
+        yield
+    finally:
+        _allocation_limit.reset(token)
 
 
 def _describe(value: object) -> object:
@@ -68,6 +83,11 @@ def _real(value: object) -> object:
     return value
 
 
+def _limit() -> int:
+    limit = _allocation_limit.get()
+    return MAX_BYTES if limit is None else limit
+
+
 def measured_op_time_s(op: object, args: tuple, kwargs: dict, result: object = None) -> float | None:
     """The fastest of a few runs of `op` on random CPU inputs like `args` and `kwargs` (a node's
     arguments, tensors as their fake values; `result` its fake result, for the bytes a run
@@ -82,8 +102,8 @@ def measured_op_time_s(op: object, args: tuple, kwargs: dict, result: object = N
         return _measured[key]
     tensors = list(_flat(args, kwargs))
     if _spent_s[0] >= TIME_BUDGET_S or any(t.device.type != "cpu" for t in tensors) \
-            or sum(t.numel() * t.itemsize for t in [*tensors, *_flat(result)]) > MAX_BYTES:
-        return None
+            or sum(t.numel() * t.itemsize for t in [*tensors, *_flat(result)]) > min(MAX_BYTES, _limit()):
+        return None  # not cached: a later compile with more headroom may time it
     measured = _time(op, args, kwargs)
     # two significant digits: timings jitter; plans (and their cache keys) should not
     _measured[key] = None if measured is None else float(f"{measured:.2g}")

@@ -21,6 +21,7 @@ from memcompile import _torch_private as tp
 from memcompile import logs
 from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import blas_workspace_bytes, profile_for
+from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
 from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
@@ -418,7 +419,7 @@ class _Region:
                                 input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
         token = _RECORD.set(record)
         try:
-            with planning_sizes(self.sizes):
+            with planning_sizes(self.sizes), timing_allocation_limit(_headroom_bytes(options, example_inputs)):
                 fn = self.backend.compile_graph(gm, example_inputs, options)
         finally:
             _RECORD.reset(token)
@@ -617,6 +618,16 @@ class _Region:
         out = variant.fn(*args)
         _on_backward(out, backend.backward_ran)  # before user_outputs: returned logits' own path may never run
         return variant.user_outputs(out, args)
+
+
+def _headroom_bytes(options: Options, example_inputs: Sequence[Any]) -> int:
+    """What is left of the step budget beside this graph's inputs (all live while it compiles at
+    its first call) and what the rest of the step holds (in the reserve): 0 where sizes are symbolic."""
+    try:
+        held = sum(int(a.numel()) * a.element_size() for a in example_inputs if isinstance(a, torch.Tensor))
+    except (TypeError, RuntimeError):  # symbolic sizes
+        return 0
+    return options.step_budget_bytes - held
 
 
 def _random_state_kept(example_inputs: Sequence[Any]):

@@ -263,7 +263,8 @@ def _plan_joint_graph(
             fuse=fuse, rounding=options.allocator_rounding,
         )
         stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
-                                forward_names, options.allocator_rounding) if stock_candidates else None
+                                forward_names, options.allocator_rounding,
+                                _headroom_bytes(budget, joint_inputs)) if stock_candidates else None
         return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
                          stock=stock)
 
@@ -392,6 +393,21 @@ class StockSolution:
         return f"stock_partition (activation_memory_budget={self.fraction})"
 
 
+# What PyTorch's linear-memory knapsack allocates as tensors at most: a few rows of 10,001 floats
+# (16 KB rows x 4 and a flip measured at a 4,001-column budget; this bounds the full width).
+KNAPSACK_SCRATCH_BYTES = 6 * 10_001 * 4
+
+
+def _headroom_bytes(budget: int, joint_inputs: object) -> int | None:
+    """The step budget less the primal inputs' bytes (live while the graph is planned at its first
+    call); None where sizes are symbolic."""
+    primals = joint_inputs[0] if isinstance(joint_inputs, (list, tuple)) and joint_inputs else ()
+    try:
+        return budget - sum(int(a.numel()) * a.element_size() for a in primals if isinstance(a, torch.Tensor))
+    except (TypeError, RuntimeError):
+        return None
+
+
 @dataclass
 class StockPartitions:
     """PyTorch's partitions of one joint graph, each made and checked once (at the sizes planned for)."""
@@ -403,6 +419,7 @@ class StockPartitions:
     profile: object
     forward_names: set[str]  # forward ops found in the backward are recomputations
     rounding: AllocatorRounding = EXACT  # what each allocation holds on the step's device
+    headroom_bytes: int | None = None  # what the step budget leaves beside the graph's inputs now
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
 
@@ -425,6 +442,11 @@ class StockPartitions:
         return self._made[fraction]
 
     def _make(self, fraction: float) -> _Attempt | None:
+        if fraction < 1.0 and self.headroom_bytes is not None and self.headroom_bytes < KNAPSACK_SCRATCH_BYTES:
+            # PyTorch's knapsack allocates its rows as tensors while the step's inputs are live
+            log.debug("memcompile: no stock partition at %s: %s of headroom, its knapsack needs %s", fraction,
+                      format_bytes(self.headroom_bytes), format_bytes(KNAPSACK_SCRATCH_BYTES))
+            return None
         try:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
                                         num_fwd_outputs=self.num_fwd_outputs,

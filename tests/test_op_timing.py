@@ -135,3 +135,13 @@ def test_a_broadcast_operand_is_made_in_its_own_layout(clock):
     assert estimate_node_time_s(mm, TIMED) == pytest.approx(TICK_S / 2)
     (real_a, _) = [op_timing._real(x) for x in clock[0][1]]
     assert real_a.stride() == (0, 1) and real_a.shape == (16, 16) and torch.isfinite(real_a).all()
+
+
+def test_ops_are_not_timed_beyond_the_headroom_the_backend_allows(clock):
+    # a timing run allocates its inputs and result beside the step's tensors at the first call
+    x = torch.randn(32, 32)
+    (mm,) = _nodes(lambda a: a @ a, x)
+    with op_timing.timing_allocation_limit(3 * x.nbytes - 1):
+        assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
+    with op_timing.timing_allocation_limit(3 * x.nbytes):
+        assert estimate_node_time_s(mm, TIMED) != estimate_node_time_s(mm, ROOFLINE)
