@@ -440,7 +440,10 @@ class _Region:
         if self.fake_inputs is None:
             raise RuntimeError("memcompile: cannot re-plan a graph without fake example inputs")
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
-        with tp.reentered_tracing_context(self.tracing_context):
+        # Compiled at a call, mid-step, outside Dynamo (which keeps the random state around its
+        # own compiles): planning times ops and checks plans on random inputs, and the step's
+        # random stream (its dropout masks) must not move, or a seeded step would not repeat.
+        with tp.reentered_tracing_context(self.tracing_context), _random_state_kept(self.fake_inputs):
             return self._compile(key, outside, gm, self.fake_inputs, request)
 
     def _plan_for_position(self, position: int, outside: int, compile_for: Callable[[int], _Variant]) -> _Variant:
@@ -595,14 +598,10 @@ class _Region:
         position = ledger.begin_call(id(a) for a, held in zip(args, held_by_caller)
                                      if held and isinstance(a, torch.Tensor))
         try:
-            # Planning at a call (the step plan, a region re-planned mid-step) times ops and
-            # checks plans with random inputs: the step's random stream (its dropout masks) must
-            # not move, or a seeded step would not repeat.
-            with _random_state_kept(args):
-                if position == 0:
-                    backend.settle()
-                variant, outside = self._variant_for(position, planned_sizes != self.sizes)
-                variant, outside = self._fit_to_position(position, variant, outside, held_grads)
+            if position == 0:
+                backend.settle()
+            variant, outside = self._variant_for(position, planned_sizes != self.sizes)
+            variant, outside = self._fit_to_position(position, variant, outside, held_grads)
         except (InfeasibleBudgetError, StepOverrunError):
             self.sizes = planned_sizes  # smaller sizes keep running under their plan
             ledger.abort_step()  # the step stops here; the next call starts it again
@@ -761,7 +760,8 @@ class Backend:
                 region.assigned = None  # one call per step: its own plan is the step's
             self._settled = shape
             return
-        menus = [region.plan_options() for region in regions]
+        with _random_state_kept(()):  # the options' checks draw random inputs (see _recompile)
+            menus = [region.plan_options() for region in regions]
         options = [[option for option, _ in menu] for menu in menus]
         positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)
                      for region, f in completed]
