@@ -705,6 +705,8 @@ class Backend:
     one step (graph breaks): see memcompile/ledger.py.
     """
 
+    MEMCOMPILE_BACKEND = True  # how plan_dump knows one without importing this module
+
     def __init__(self, options: Options) -> None:
         self.options = options
         self.plans: list[Plan] = []

@@ -32,13 +32,17 @@ MIB = 2**20
 
 # -- which plans ---------------------------------------------------------------------------------
 
+def is_backend(obj: object) -> bool:
+    """A memcompile Backend, known by its class's marker (this module is below backend.py, which
+    writes plans with it; a compiled module forwards attribute reads, so its class is asked)."""
+    return bool(getattr(type(obj), "MEMCOMPILE_BACKEND", False))
+
+
 def plans_of(obj: object) -> list[Plan]:
     """The plans behind a Plan, a list of plans, a Backend, or a torch.compile result."""
-    from memcompile.backend import Backend  # here, not at the top: backend.py imports this module
-
     if isinstance(obj, Plan):
         return [obj]
-    if isinstance(obj, Backend):
+    if is_backend(obj):
         return list(obj.plans)
     if isinstance(obj, (list, tuple)) and all(isinstance(p, Plan) for p in obj):
         return list(obj)
@@ -59,8 +63,6 @@ def find_backend(compiled: object, max_depth: int = 8, max_objects: int = 5000):
     backend wrappers). Naming those attributes would tie this to one torch release and put private
     torch API outside _torch_private.py, so search the object's attributes and closures instead.
     """
-    from memcompile.backend import Backend
-
     seen: set[int] = set()
     frontier: list[object] = [compiled]
     for _ in range(max_depth):
@@ -69,7 +71,7 @@ def find_backend(compiled: object, max_depth: int = 8, max_objects: int = 5000):
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            if isinstance(obj, Backend):
+            if is_backend(obj):
                 return obj
             following.extend(_referents(obj, is_root=obj is compiled))
         if len(seen) > max_objects:

@@ -45,7 +45,6 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -54,59 +53,10 @@ import numpy as np  # installed with ortools
 from ortools.sat.python import cp_model
 
 from .cpsat import DEFAULT_SEED, DEFAULT_WORKERS, SolveOutcome, run_model
+from .remat_events import best_eviction_schedule, free_early, undo_evictions
+from .remat_problem import Event, InvalidSchedule, RematProblem, Schedule, simulate
 
-Event = tuple[str, int]
-Schedule = tuple[Event, ...]
-
-
-class InvalidSchedule(ValueError):
-    """A schedule violates the rematerialization semantics."""
-
-
-# ----------------------------------------------------------------------------------- problem
-
-
-@dataclass(frozen=True)
-class RematProblem:
-    """A DAG in topological order; node i's predecessors all have indices < i."""
-
-    names: tuple[str, ...]
-    preds: tuple[tuple[int, ...], ...]
-    cost: tuple[float, ...]
-    size: tuple[int, ...]
-    recomputable: tuple[bool, ...] | None = None  # None: every node may be recomputed
-    static_bytes: int = 0  # memory held throughout (weights, optimizer state, ...)
-
-    def __post_init__(self) -> None:
-        n = len(self.names)
-        if not (len(self.preds) == len(self.cost) == len(self.size) == n):
-            raise ValueError("names, preds, cost and size must have one entry per node")
-        if self.recomputable is None:
-            object.__setattr__(self, "recomputable", (True,) * n)
-        elif len(self.recomputable) != n:
-            raise ValueError("recomputable must have one entry per node")
-        for v, ps in enumerate(self.preds):
-            if any(not 0 <= u < v for u in ps) or len(set(ps)) != len(ps):
-                raise ValueError(f"preds of node {v} must be distinct indices of earlier nodes")
-        if any(s < 0 for s in self.size) or any(c < 0 for c in self.cost) or self.static_bytes < 0:
-            raise ValueError("sizes, costs and static_bytes must be non-negative")
-
-    @property
-    def n(self) -> int:
-        return len(self.names)
-
-    @cached_property
-    def last_use(self) -> tuple[int, ...]:
-        """Index of each node's last reader (the node itself for sinks), in first-computation order."""
-        return tuple(max(s, default=v) for v, s in enumerate(self.succs))
-
-    @cached_property
-    def succs(self) -> tuple[tuple[int, ...], ...]:
-        out: list[list[int]] = [[] for _ in range(self.n)]
-        for v, ps in enumerate(self.preds):
-            for u in ps:
-                out[u].append(v)
-        return tuple(tuple(s) for s in out)
+# ----------------------------------------------------------------------------------- results
 
 
 @dataclass(frozen=True)
@@ -209,42 +159,6 @@ def _as_number(x: object) -> float:
 
 
 # ------------------------------------------------------------------------ checker & baseline
-
-
-def simulate(problem: RematProblem, schedule: Iterable[Event]) -> tuple[int, float]:
-    """Replay `schedule`; return (peak, cost) or raise InvalidSchedule."""
-    resident = [False] * problem.n
-    computed_once = 0  # first computations must follow node order: next new node is this index
-    memory = problem.static_bytes
-    peak, cost = problem.static_bytes, 0.0
-    for step, (kind, v) in enumerate(schedule):
-        if not 0 <= v < problem.n:
-            raise InvalidSchedule(f"event {step}: unknown node {v}")
-        if kind == "compute":
-            if resident[v]:
-                raise InvalidSchedule(f"event {step}: node {v} computed while resident")
-            if v > computed_once:
-                raise InvalidSchedule(f"event {step}: node {v} computed before node {computed_once}")
-            if v < computed_once and not problem.recomputable[v]:
-                raise InvalidSchedule(f"event {step}: node {v} may not be recomputed")
-            missing = [u for u in problem.preds[v] if not resident[u]]
-            if missing:
-                raise InvalidSchedule(f"event {step}: node {v} needs non-resident {missing}")
-            peak = max(peak, memory + problem.size[v])
-            memory += problem.size[v]
-            resident[v] = True
-            cost += problem.cost[v]
-            computed_once = max(computed_once, v + 1)
-        elif kind == "free":
-            if not resident[v]:
-                raise InvalidSchedule(f"event {step}: free of non-resident node {v}")
-            resident[v] = False
-            memory -= problem.size[v]
-        else:
-            raise InvalidSchedule(f"event {step}: unknown event kind {kind!r}")
-    if computed_once != problem.n:
-        raise InvalidSchedule(f"only {computed_once} of {problem.n} nodes were computed")
-    return peak, cost
 
 
 def baseline_schedule(problem: RematProblem) -> Schedule:
@@ -1366,8 +1280,6 @@ def _polished(problem: RematProblem, budget: int, result: RematResult, deadline:
     instead of recomputed where the budget allows (`remat_events.undo_evictions`). A cheaper
     schedule may lie outside the stage grid, so its bound is the proven one and, if the grid's
     optimum was claimed, the status becomes "feasible"."""
-    from .remat_events import free_early, undo_evictions  # imports this module
-
     schedule = undo_evictions(problem, free_early(problem, result.schedule), budget, deadline)
     try:
         peak, cost = simulate(problem, schedule)
@@ -1469,8 +1381,6 @@ def _event_level_fallback(
     Runs until `deadline` (at least one attempt) or, with `stop_at_first`, the first schedule;
     its schedules are replayed and fit the budget.
     """
-    from .remat_events import best_eviction_schedule  # imports this module
-
     schedule = best_eviction_schedule(problem, budget, deadline, seed, stop_at_first=stop_at_first)
     if schedule is None:
         return _no_schedule(status_if_none, peak_lb, started)

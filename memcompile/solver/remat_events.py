@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .remat import Event, InvalidSchedule, RematProblem, Schedule, simulate
+from .remat_problem import Event, InvalidSchedule, RematProblem, Schedule, simulate
 
 
 @dataclass(frozen=True)
