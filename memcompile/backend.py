@@ -622,11 +622,11 @@ class _Region:
 def _headroom_bytes(options: Options, example_inputs: Sequence[Any]) -> int:
     """What is left of the step budget beside this graph's inputs (all live while it compiles at
     its first call) and what the rest of the step holds (in the reserve): 0 where sizes are symbolic."""
-    try:
-        held = sum(int(a.numel()) * a.element_size() for a in example_inputs if isinstance(a, torch.Tensor))
-    except (TypeError, RuntimeError):  # symbolic sizes
-        return 0
-    return options.step_budget_bytes - held
+    tensors = [a for a in example_inputs if isinstance(a, torch.Tensor)]
+    counts = [a.numel() for a in tensors]
+    if any(isinstance(n, torch.SymInt) for n in counts):
+        return 0  # symbolic sizes (reading them as ints would guard on them)
+    return options.step_budget_bytes - sum(n * a.element_size() for n, a in zip(counts, tensors))
 
 
 def _random_state_kept(example_inputs: Sequence[Any]):

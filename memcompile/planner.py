@@ -393,19 +393,22 @@ class StockSolution:
         return f"stock_partition (activation_memory_budget={self.fraction})"
 
 
-# What PyTorch's linear-memory knapsack allocates as tensors at most: a few rows of 10,001 floats
-# (16 KB rows x 4 and a flip measured at a 4,001-column budget; this bounds the full width).
-KNAPSACK_SCRATCH_BYTES = 6 * 10_001 * 4
+def knapsack_scratch_bytes(fraction: float) -> int:
+    """What PyTorch's linear-memory knapsack allocates as tensors at `activation_memory_budget=
+    fraction`, at most: a few float rows of one column per 1/10,000 of the activations' memory
+    (measured: 4 rows and a flip of 16,004 B at 0.4); none at 1.0, which runs no knapsack."""
+    return 0 if fraction >= 1.0 else 6 * 4 * (round(fraction * 10_000) + 1)
 
 
 def _headroom_bytes(budget: int, joint_inputs: object) -> int | None:
     """The step budget less the primal inputs' bytes (live while the graph is planned at its first
     call); None where sizes are symbolic."""
     primals = joint_inputs[0] if isinstance(joint_inputs, (list, tuple)) and joint_inputs else ()
-    try:
-        return budget - sum(int(a.numel()) * a.element_size() for a in primals if isinstance(a, torch.Tensor))
-    except (TypeError, RuntimeError):
-        return None
+    tensors = [a for a in primals if isinstance(a, torch.Tensor)]
+    counts = [a.numel() for a in tensors]
+    if any(isinstance(n, torch.SymInt) for n in counts):
+        return None  # reading symbolic sizes as ints would guard on them
+    return budget - sum(n * a.element_size() for n, a in zip(counts, tensors))
 
 
 @dataclass
@@ -442,10 +445,11 @@ class StockPartitions:
         return self._made[fraction]
 
     def _make(self, fraction: float) -> _Attempt | None:
-        if fraction < 1.0 and self.headroom_bytes is not None and self.headroom_bytes < KNAPSACK_SCRATCH_BYTES:
+        scratch = knapsack_scratch_bytes(fraction)
+        if self.headroom_bytes is not None and self.headroom_bytes < scratch:
             # PyTorch's knapsack allocates its rows as tensors while the step's inputs are live
             log.debug("memcompile: no stock partition at %s: %s of headroom, its knapsack needs %s", fraction,
-                      format_bytes(self.headroom_bytes), format_bytes(KNAPSACK_SCRATCH_BYTES))
+                      format_bytes(self.headroom_bytes), format_bytes(scratch))
             return None
         try:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
