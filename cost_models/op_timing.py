@@ -70,13 +70,24 @@ def _concrete(sizes) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _inputs_generator() -> torch.Generator:
+    """A generator of the timing inputs' own: timing inside a training step must not draw from
+    the step's random stream (its dropout masks would change)."""
+    if not _generator:
+        _generator.append(torch.Generator().manual_seed(0))
+    return _generator[0]
+
+
+_generator: list[torch.Generator] = []
+
+
 def _real(value: object) -> object:
     """A real CPU tensor like `value` (fake or meta), random where it is floating point; its
     storage filled first, so broadcast (stride 0) layouts are made as they are."""
     if isinstance(value, torch.Tensor):
         extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride())) if value.numel() else 0
         storage = torch.empty(extent, dtype=value.dtype)
-        storage = storage.normal_() if storage.is_floating_point() else storage.zero_()
+        storage = storage.normal_(generator=_inputs_generator()) if storage.is_floating_point() else storage.zero_()
         return storage.as_strided(tuple(value.shape), tuple(value.stride()))
     if isinstance(value, (list, tuple)):
         return type(value)(_real(v) for v in value)

@@ -319,6 +319,13 @@ def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: flo
         return _partitioners.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def is_inductor_random_op(target: object) -> bool:
+    """Inductor's own random ops (its replacements of rand/randn/randint, drawn from per-graph seeds)."""
+    prims = torch.ops.prims
+    return any(target is getattr(getattr(prims, name, None), "default", object())
+               for name in ("inductor_random", "inductor_randint", "inductor_seeds", "inductor_seed"))
+
+
 def gelu_ops() -> frozenset:
     """F.gelu as Dynamo records it (its C binding) and as users write it."""
     return frozenset({torch.nn.functional.gelu, torch._C._nn.gelu})

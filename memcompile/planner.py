@@ -34,7 +34,7 @@ from memcompile.passes.activation_analysis import (
     analyze_joint_graph,
 )
 from memcompile.passes.calibration import calibrated, step_corrections
-from memcompile.passes.graph_facts import is_aliasing_op, step_device, tensor_nbytes
+from memcompile.passes.graph_facts import is_aliasing_op, is_random_op, step_device, tensor_nbytes
 from memcompile.passes.liveness import LivenessTimeline, analyze_liveness, analyze_scheduled_liveness
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
@@ -455,6 +455,13 @@ class StockPartitions:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
                                         num_fwd_outputs=self.num_fwd_outputs,
                                         static_lifetime_input_indices=self.static_lifetime_input_indices)
+            redrawn = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in self.forward_names
+                       and (is_random_op(n) or tp.is_inductor_random_op(n.target))]
+            if redrawn:
+                # PyTorch's partitions below 1.0 may draw random ops again in the backward (on the
+                # CPU: other dropout masks than the forward's, so other gradients than the seed's)
+                log.debug("memcompile: no stock partition at %s: it recomputes random ops %s", fraction, redrawn)
+                return None
             timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True, self.rounding)
         except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,

@@ -145,3 +145,10 @@ def test_ops_are_not_timed_beyond_the_headroom_the_backend_allows(clock):
         assert estimate_node_time_s(mm, TIMED) == estimate_node_time_s(mm, ROOFLINE)
     with op_timing.timing_allocation_limit(3 * x.nbytes):
         assert estimate_node_time_s(mm, TIMED) != estimate_node_time_s(mm, ROOFLINE)
+
+
+def test_timing_draws_nothing_from_the_global_random_stream(clock):
+    (mm,) = _nodes(lambda a: a @ a, torch.randn(24, 24))
+    state = torch.get_rng_state()
+    estimate_node_time_s(mm, TIMED)
+    assert torch.equal(state, torch.get_rng_state())
