@@ -84,13 +84,7 @@ def test_chunked_mlps_give_the_same_loss_and_gradients(activation, gated, bias, 
     assert not find_mlps(chunked.graph)  # every MLP became one op
     targets = [str(n.target) for n in chunked.graph.nodes]
     assert sum("chunked_mlp" in t for t in targets) == depth
-    params = list(model.parameters())
-    eager = grads(params, lambda: model(x))
-    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g, max_chunks)[0].forward)
-    got = grads(params, lambda: compiled(x))
-    torch._dynamo.reset()
-    for g, want in zip(got, eager):
-        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * max(1.0, want.abs().max().item()))
+    _assert_rewritten_grads_match_eager(model, x, max_chunks)
 
 
 def test_mlps_the_rewrite_must_not_touch_are_left_alone() -> None:
@@ -290,13 +284,7 @@ def test_random_layer_stacks_chunk_without_crashing_and_keep_their_gradients(wid
     chunked.graph.lint()
     assert len(blocks) == len(found)
     assert sum("chunked_mlp" in str(n.target) for n in chunked.graph.nodes) == len(found)
-    params = list(model.parameters())
-    eager = grads(params, lambda: model(x))
-    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g, max_chunks)[0].forward)
-    got = grads(params, lambda: compiled(x))
-    torch._dynamo.reset()
-    for g, want in zip(got, eager):
-        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * max(1.0, want.abs().max().item()))
+    _assert_rewritten_grads_match_eager(model, x, max_chunks)
 
 
 def test_a_stack_of_linear_gelu_layers_under_a_tiny_budget_raises_the_typed_error() -> None:
@@ -321,3 +309,14 @@ def test_a_stack_of_linear_gelu_layers_under_a_tiny_budget_raises_the_typed_erro
         compiled(x)
     assert info.value.min_feasible_bytes > 1000
     torch.compiler.reset()
+
+
+def _assert_rewritten_grads_match_eager(model, x, max_chunks) -> None:
+    """Gradients with every MLP chunked (the rewrite alone, no planning) equal eager's."""
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    compiled = torch.compile(model, backend=lambda g, ex: chunk_mlps(g, max_chunks)[0].forward)
+    got = grads(params, lambda: compiled(x))
+    torch._dynamo.reset()
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * max(1.0, want.abs().max().item()))
