@@ -106,7 +106,13 @@ def _tokens(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
 
 def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
     # Non-reentrant checkpoint: the variant Dynamo captures in one graph (tag_activation_checkpoint).
-    return lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    def enable() -> None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.25 routes attention through the `kernels` hub, whose forward sets and
+        # resets a module global; Dynamo refuses such a side effect inside a checkpointed region
+        # unless told it need not be replayed in the backward (it need not: it is set and reset).
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    return enable
 
 
 def _gpt2(c: dict, seed: int) -> BenchModel:
