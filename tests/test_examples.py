@@ -83,8 +83,8 @@ def test_per_block_plans_settle_after_the_second_step(per_block_result):
 def test_per_block_below_the_least_joint_plan_raises_the_typed_error_and_its_minimum_fits():
     """A budget no combination of plans fits: the typed error before the first step runs over,
     naming the smallest budget of the blocks seen so far (each at its least peak; a later block
-    may need more, and a run at that budget then names a larger one); compiling at the last
-    budget named then fits."""
+    may need more, and a run at that budget then names a larger one, or the whole step's floor);
+    compiling at the last budget named then fits."""
     import memcompile
     per_block = _example("per_block")
     torch._dynamo.reset()
@@ -98,7 +98,9 @@ def test_per_block_below_the_least_joint_plan_raises_the_typed_error_and_its_min
             r = per_block.run(budget_bytes=need, steps=3, **FAST)
             break
         except memcompile.InfeasibleBudgetError as error:
-            assert error.min_feasible_bytes > need and not error.whole_step
+            # a later block's floor, or (once every block has been seen) the whole step's: the
+            # regions' least peaks found within the solver's time limit may differ between runs
+            assert error.min_feasible_bytes > need
             need = error.min_feasible_bytes
     else:
         raise AssertionError(f"no run at a named budget fitted (last {need})")
