@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import time
@@ -73,15 +74,22 @@ def _best_rate(work: float, run, rounds: int = 5, reps: int = 4) -> float:
     return work * reps / max(best, 1e-9)
 
 
+def _host_floats(*shape: int) -> torch.Tensor:
+    """A float32 tensor over Python-owned memory: no allocation of torch's allocator, which a
+    step's budget counts (the profile is measured inside the first call, beside the step)."""
+    return torch.frombuffer(bytearray(4 * math.prod(shape)), dtype=torch.float32).view(*shape)
+
+
 @functools.lru_cache(maxsize=1)
 def measure_cpu_profile() -> DeviceProfile:
-    """A quick (~0.05 s) measurement of this CPU's matmul and copy throughput."""
+    """A quick (~0.05 s) measurement of this CPU's matmul and copy throughput, on 33 MiB of host
+    memory outside torch's allocator (see _host_floats)."""
     n = 256
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    flops = _best_rate(2 * n**3, lambda: torch.mm(a, b))
-    src = torch.empty(4 * 2**20)  # 16 MiB: beyond most caches
-    dst = torch.empty_like(src)
+    a, b, product = _host_floats(n, n).uniform_(), _host_floats(n, n).uniform_(), _host_floats(n, n)
+    torch.mm(a, b, out=product)
+    flops = _best_rate(2 * n**3, lambda: torch.mm(a, b, out=product))
+    src = _host_floats(4 * 2**20)  # 16 MiB: beyond most caches
+    dst = _host_floats(4 * 2**20)
     dst.copy_(src)
     bandwidth = _best_rate(2 * src.nbytes, lambda: dst.copy_(src))
     return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6, times_ops=True)
@@ -105,6 +113,19 @@ def profile_for(device: str | torch.device | None) -> DeviceProfile:
 # cuBLAS handles are per thread: the forward runs on the caller's thread, the backward on
 # autograd's device thread, and PyTorch keeps one workspace per (handle, stream).
 BLAS_HANDLES_PER_STEP = 2
+
+
+# While a graph compiles during the step (every region's first call, a re-plan at a call), Dynamo's
+# frame compile, AOTAutograd, Inductor and memcompile each keep a copy of the CPU generator's state,
+# nested so that all four are live at once (a profile of a first call shows them, 5,056 B each).
+COMPILE_GENERATOR_COPIES = 4
+_CPU_GENERATOR_STATE_BYTES = torch.random.default_generator.get_state().numel()  # at import, before any step
+
+
+def compile_scratch_bytes(device: str) -> int:
+    """Bytes on `device` that compiling a graph during the step allocates beside the step's own:
+    on the CPU the generator-state copies; 0 on accelerators (their states are copied to the host)."""
+    return COMPILE_GENERATOR_COPIES * _CPU_GENERATOR_STATE_BYTES if device == "cpu" else 0
 
 
 def blas_workspace_bytes_for(capability_major: int, environ: dict[str, str]) -> int:

@@ -20,7 +20,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile import logs
 from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
-from memcompile.cost_models.device import blas_workspace_bytes, profile_for
+from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes, profile_for
 from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
@@ -879,13 +879,16 @@ class Backend:
 
     def reserve_library_workspace(self, example_inputs: Sequence[Any]) -> None:
         """Count the matmul library's workspaces (cuBLAS on CUDA: 2 x 32 MiB on an H200, measured
-        in an allocator snapshot as blocks no op of the step allocated) in the reserve, once."""
-        if self.options.library_workspace_bytes:
+        in an allocator snapshot as blocks no op of the step allocated) and what a compile during
+        the step allocates beside it (compile_scratch_bytes) in the reserve, once."""
+        if self.options.library_workspace_bytes or self.options.compile_scratch_bytes:
             return
-        workspace = blas_workspace_bytes(step_device(example_inputs))
-        if workspace:
-            self.options = dataclasses.replace(self.options, reserve_bytes=self.options.reserve_bytes + workspace,
-                                               library_workspace_bytes=workspace)
+        device = step_device(example_inputs)
+        workspace, scratch = blas_workspace_bytes(device), compile_scratch_bytes(device)
+        if workspace or scratch:
+            self.options = dataclasses.replace(
+                self.options, reserve_bytes=self.options.reserve_bytes + workspace + scratch,
+                library_workspace_bytes=workspace, compile_scratch_bytes=scratch)
 
     def backward_ran(self) -> None:
         """A backward of this step has started: the step's calls are known. The first time, say

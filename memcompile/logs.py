@@ -157,7 +157,10 @@ def step_summary(step_peak_bytes: int, options: "Options", regions: int, calls: 
         parts.append(f"optimizer state {format_bytes(options.optimizer_reserve_bytes)}")
     if options.library_workspace_bytes:
         parts.append(f"cuBLAS workspaces {format_bytes(options.library_workspace_bytes)}")
-    other = options.reserve_bytes - options.optimizer_reserve_bytes - options.library_workspace_bytes
+    if options.compile_scratch_bytes:
+        parts.append(f"compile-time copies {format_bytes(options.compile_scratch_bytes)}")
+    other = (options.reserve_bytes - options.optimizer_reserve_bytes - options.library_workspace_bytes
+             - options.compile_scratch_bytes)
     if other:
         parts.append(f"reserve= {format_bytes(other)}")
     reserve = f", reserve {format_bytes(options.reserve_bytes)} ({', '.join(parts)})" if options.reserve_bytes else ""

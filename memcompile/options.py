@@ -80,6 +80,9 @@ class Options:
     # Part of reserve_bytes: the matmul library's workspaces on the step's device (set by the
     # backend from the first graph's inputs; cost_models/device.py blas_workspace_bytes).
     library_workspace_bytes: int = 0
+    # Part of reserve_bytes: what compiling a graph during the step allocates on its device (on the
+    # CPU, copies of the generator state; cost_models/device.py compile_scratch_bytes). Set like the workspaces.
+    compile_scratch_bytes: int = 0
     # What one allocation holds on the step's device: the CUDA caching allocator's blocks (512 B
     # multiples, see cost_models/cuda_allocator.py), exact bytes elsewhere. Set by the backend from
     # the first graph's inputs and the allocator settings in the environment, like the workspaces.
@@ -113,7 +116,8 @@ class Options:
             return ""
         library, optimizer = self.library_workspace_bytes, self.optimizer_reserve_bytes
         parts = ([f"cuBLAS workspaces {library}"] if library else []) + (
-            [f"optimizer state {optimizer}"] if optimizer else [])
+            [f"optimizer state {optimizer}"] if optimizer else []) + (
+            [f"compile-time copies {self.compile_scratch_bytes}"] if self.compile_scratch_bytes else [])
         return f", reserve {self.reserve_bytes}" + (f" of which {' and '.join(parts)}" if parts else "")
 
     def describe(self) -> str:

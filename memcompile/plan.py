@@ -55,6 +55,7 @@ class Plan:
     # (larger ones are re-planned before they run). Empty for static shapes.
     size_bounds: tuple[tuple[str, int], ...] = ()
     library_workspace_bytes: int = 0  # part of reserve_bytes: the matmul library's workspaces
+    compile_scratch_bytes: int = 0  # part of reserve_bytes: what a compile during the step allocates
     # Rewrites of the user's graph before planning (passes/loss_head.py), one line each.
     graph_rewrites: tuple[str, ...] = ()
     # Estimated step time those rewrites add by themselves (chunked ops, their recomputed

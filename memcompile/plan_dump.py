@@ -135,7 +135,8 @@ def format_change(before: int, after: int) -> str:
 def reserve_parts(plan: Plan) -> str:
     """" (optimizer state X, cuBLAS workspaces Y)": what the reserve is made of, where known."""
     parts = [f"{what} {format_bytes(nbytes)}" for what, nbytes in (
-        ("optimizer state", plan.optimizer_reserve_bytes), ("cuBLAS workspaces", plan.library_workspace_bytes)) if nbytes]
+        ("optimizer state", plan.optimizer_reserve_bytes), ("cuBLAS workspaces", plan.library_workspace_bytes),
+        ("compile-time copies", plan.compile_scratch_bytes)) if nbytes]
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -276,7 +277,7 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
 
 
 # Plan fields older files lack, with the values a plan without them has.
-_ADDED_LATER = {"library_workspace_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, "size_bounds": [],
+_ADDED_LATER = {"library_workspace_bytes": 0, "compile_scratch_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, "size_bounds": [],
                 "stock_inductor_rules": False, "budget_source": "", "optimizer_reserve_bytes": 0,
                 "optimizer_source": "", "check_s": 0.0, "live_categories_after": [], "peak_tensors": [],
                 "backward_from_step": -1}
@@ -307,6 +308,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             live_bytes_after=tuple(int(b) for b in data["live_bytes_after"]),
             size_bounds=tuple((str(n), int(v)) for n, v in data["size_bounds"]),
             library_workspace_bytes=int(data["library_workspace_bytes"]),
+            compile_scratch_bytes=int(data["compile_scratch_bytes"]),
             graph_rewrites=tuple(str(r) for r in data["graph_rewrites"]),
             rewrite_time_s=float(data["rewrite_time_s"]),
             stock_inductor_rules=bool(data["stock_inductor_rules"]),

@@ -325,6 +325,7 @@ def _plan_joint_graph(
         budget_bytes=options.budget_bytes,
         reserve_bytes=options.reserve_bytes,
         library_workspace_bytes=options.library_workspace_bytes,
+        compile_scratch_bytes=options.compile_scratch_bytes,
         predicted_peak_before_bytes=before.peak_bytes,
         predicted_peak_bytes=after.peak_bytes,
         peak_phase=after.peak_step.phase,
@@ -968,7 +969,8 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
         peak, steps, phase, node, breakdown = 0, (), "", "", ()
     plan = Plan(
         graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,
-        library_workspace_bytes=options.library_workspace_bytes, predicted_peak_before_bytes=peak,
+        library_workspace_bytes=options.library_workspace_bytes, compile_scratch_bytes=options.compile_scratch_bytes,
+        predicted_peak_before_bytes=peak,
         predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
         peak_breakdown=breakdown, decisions=(), added_time_s=0.0,
         solver_status=f"stock_fallback ({type(error).__name__})", solve_s=0.0, gap=0.0,

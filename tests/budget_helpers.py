@@ -34,10 +34,11 @@ def grads(params: list[torch.Tensor], step: Callable[[], torch.Tensor], seed: in
 
 
 def budget_range(module: torch.nn.Module, x: torch.Tensor, **options) -> tuple[int, int]:
-    """(min_feasible_bytes, predicted peak with every activation kept) of `module(x)`."""
+    """(min_feasible_bytes, the budget that keeps every activation: its predicted peak and the
+    reserve) of `module(x)`."""
     backend, compiled = compile_under(module, 10**12, **options)
     compiled(x).backward()
-    high = backend.plans[0].predicted_peak_before_bytes
+    high = backend.plans[0].predicted_peak_before_bytes + backend.plans[0].reserve_bytes
     torch.compiler.reset()
     # A plain step's floor: gradients left from this step would count as accumulated ones.
     module.zero_grad(set_to_none=True)

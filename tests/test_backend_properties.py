@@ -32,10 +32,11 @@ def _compile(model, limit):
 
 
 def _bounds(model, x) -> tuple[int, int]:
-    """(smallest feasible budget, unconstrained predicted peak) for this model and input."""
+    """(smallest feasible budget, the budget of the unconstrained predicted peak: it and the
+    reserve) for this model and input."""
     backend, compiled = _compile(model, 10**12)
     compiled(x).backward()
-    unconstrained = backend.plans[0].predicted_peak_before_bytes
+    unconstrained = backend.plans[0].predicted_peak_before_bytes + backend.plans[0].reserve_bytes
     torch.compiler.reset()
     model.zero_grad(set_to_none=True)  # plain steps: gradients left here would count as accumulated
     x.grad = None

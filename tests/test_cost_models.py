@@ -11,7 +11,11 @@ from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.cost_models.device import DATASHEET_PROFILES, DeviceProfile, blas_workspace_bytes, blas_workspace_bytes_for
+from memcompile import _torch_private as tp
+from memcompile.cost_models import device as device_module
+from memcompile.cost_models import op_timing
+from memcompile.cost_models.device import (DATASHEET_PROFILES, DeviceProfile, blas_workspace_bytes,
+                                           blas_workspace_bytes_for, compile_scratch_bytes)
 from memcompile.cost_models.node_cost import estimate_node_time_s, node_bytes_moved
 
 
@@ -97,7 +101,7 @@ def test_library_workspaces_enter_the_reserve_and_the_smallest_budget(monkeypatc
         with pytest.raises(memcompile.InfeasibleBudgetError) as error:
             torch.compile(model, backend=backend)(x).sum().backward()
         assert backend.options.library_workspace_bytes == workspace
-        assert backend.options.reserve_bytes == workspace
+        assert backend.options.reserve_bytes == workspace + compile_scratch_bytes("cpu")
         assert (f"cuBLAS workspaces {workspace}" in str(error.value)) == (workspace > 0)
         return error.value.min_feasible_bytes
 
@@ -109,8 +113,8 @@ def test_library_workspaces_enter_the_reserve_and_the_smallest_budget(monkeypatc
     backend = memcompile.budget(without + 2**20, codegen="aot_eager")
     torch.compile(model, backend=backend)(x).sum().backward()
     (plan,) = backend.plans
-    assert plan.library_workspace_bytes == 2**20 and plan.reserve_bytes == 2**20
-    assert plan.predicted_peak_bytes <= plan.step_budget_bytes == without
+    assert plan.library_workspace_bytes == 2**20 and plan.reserve_bytes == 2**20 + compile_scratch_bytes("cpu")
+    assert plan.predicted_peak_bytes <= plan.step_budget_bytes == without - compile_scratch_bytes("cpu")
     assert "cuBLAS workspaces 1.00 MiB" in memcompile.dump(backend)
 
 
@@ -238,3 +242,52 @@ def test_eager_embedding_backward_scratch_is_counted():
     scratch = measured.rise_bytes - grad.nbytes  # beside its result
     assert 0 < scratch <= kernel_workspace_bytes(node) <= scratch + 1024
     assert kernel_workspace_bytes(node, inductor=True) == 0
+
+
+def test_measuring_the_cpu_profile_allocates_nothing_a_budget_counts():
+    # it is measured inside the first call, beside the step's tensors (once 33 MiB at a 100 KiB budget)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        profile = device_module.measure_cpu_profile.__wrapped__()
+    assert profile.matmul_flops_per_s > 0 and profile.memory_bytes_per_s > 0
+    assert [d for _, d in tp.profiler_allocation_deltas(prof) if d > 0] == []
+
+
+_COMPILE_FRAMES = ("dynamo_timed", "entire_frame_compile", "backend_compile", "compile_fx")
+
+
+def _most_held_by_compiles(prof) -> int:
+    """The most bytes that allocations made inside compile frames held at once."""
+    allocation = torch._C._profiler._EventType.Allocation
+    events, stack = [], [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        event, inside = stack.pop()
+        inside = inside or any(frame in event.name for frame in _COMPILE_FRAMES)
+        kind, extra = event.typed
+        if kind == allocation and inside:
+            events.append((event.start_time_ns, int(extra.alloc_size)))
+        stack.extend((child, inside) for child in event.children)
+    held = most = 0
+    for _, delta in sorted(events):
+        held += delta
+        most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize("codegen", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_what_a_compile_during_the_step_holds_fits_its_reserve(codegen, monkeypatch):
+    """Each region compiles at its first call, beside what the step holds then: the copies of the
+    generator state that Dynamo, AOTAutograd, Inductor and memcompile keep meanwhile are in the
+    reserve (compile_scratch_bytes). Op timing is off here: it is bounded by the headroom apart."""
+    monkeypatch.setattr(op_timing, "TIME_OPS", False)
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    backend = memcompile.budget("1GB", codegen=codegen)
+    compiled = torch.compile(model, backend=backend)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        compiled(x).sum().backward()
+    held = _most_held_by_compiles(prof)
+    torch.compiler.reset()
+    assert backend.options.compile_scratch_bytes == compile_scratch_bytes("cpu") > 0
+    assert 0 < held <= compile_scratch_bytes("cpu"), held

@@ -139,4 +139,4 @@ def test_backend_rounds_only_on_cuda(monkeypatch) -> None:
     assert backend.options.allocator_rounding == CUDA_DEFAULT
     # the parameters alone (6,000, 200, 600 and 12 B) hold 2,952 B more as blocks
     assert on_cuda > on_cpu
-    assert on_cuda % 512 == 0
+    assert (on_cuda - backend.options.reserve_bytes) % 512 == 0  # the reserve: the CPU's compile copies

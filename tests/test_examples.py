@@ -37,8 +37,10 @@ def test_train_loop_with_adamw_reserve():
     torch.testing.assert_close(torch.tensor(r.compiled_losses), torch.tensor(r.eager_losses), rtol=1e-5, atol=0)
     assert r.eager_peak_bytes > r.budget_bytes  # the budget binds: eager would not fit
     assert _recomputes(r.plans)
-    assert all(p.reserve_bytes == p.optimizer_reserve_bytes == r.reserve_bytes > 0 for p in r.plans)  # optimizer=
-    assert all(p.predicted_peak_bytes <= r.budget_bytes - r.reserve_bytes for p in r.plans)
+    # optimizer= (beside what a compile during the step allocates, a constant on the CPU)
+    assert all(p.reserve_bytes - p.compile_scratch_bytes == p.optimizer_reserve_bytes == r.reserve_bytes > 0
+               for p in r.plans)
+    assert all(p.predicted_peak_bytes <= r.budget_bytes - p.reserve_bytes for p in r.plans)
     # Whole iterations (forward, backward, AdamW step) with the optimizer state live stay within the budget.
     assert len(r.compiled_peak_bytes) == 2
     assert max(r.compiled_peak_bytes) <= r.budget_bytes
@@ -117,7 +119,7 @@ def test_hugging_face_trainer_compile_for_trainer_reserves_the_trainers_adamw_st
     state = r.compiled.optimizer_state_bytes
     assert state > 0
     # the callback counted the Trainer's optimizer (created inside train()) before anything compiled
-    assert all(p.optimizer_reserve_bytes == p.reserve_bytes == state for p in r.plans)
+    assert all(p.optimizer_reserve_bytes == p.reserve_bytes - p.compile_scratch_bytes == state for p in r.plans)
     assert all("AdamW" in p.optimizer_source for p in r.plans)
     assert max(r.eager.step_peaks) > r.budget_bytes - state  # the step budget binds
     assert _recomputes(r.plans)

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import memcompile
 from memcompile import loss_ops
 from memcompile.cost_models import op_timing
-from memcompile.cost_models.device import profile_for
+from memcompile.cost_models import device as device_module
+from memcompile.cost_models.device import DeviceProfile, profile_for
 from memcompile.passes.loss_head import chunk_loss_heads, chunked_heads_forward, find_loss_heads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -535,9 +536,11 @@ def test_the_whole_heads_least_peak_is_not_searched_when_the_chunked_head_fits(m
 def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing(monkeypatch) -> None:
     # wide layers (512 x 256 activations) before a 2048-class head: with the head whole, budgets
     # below keep-all are met by recomputing those layers, which chunking the head may avoid.
-    # Ops are costed by the device profile, not timed: timings of a loaded machine would move
-    # the choice between the two budgets, and this tests the choice's rule, not the clock.
+    # Ops are costed by a fixed profile, not timed or measured: a loaded machine's numbers would
+    # move the choice between the two budgets, and this tests the choice's rule, not the clock.
     monkeypatch.setattr(op_timing, "TIME_OPS", False)
+    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=True)
+    monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, hidden=256, depth=4, bias=True, upcast=False, reduction="mean", ignore_index=-100)
     ids = torch.randint(0, 2048, (4, 128))
