@@ -412,14 +412,20 @@ class _Region:
                  request: PlanRequest) -> _Variant:
         options = self.backend.options
         if outside:
-            # What other regions hold while this one runs is, for this graph, held outside it.
-            options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside)
+            # What other regions hold while this one runs is, for this graph, held outside it; and
+            # this compile (at a call, beside it) holds its scratch then. A step's only region, or
+            # its first, compiles while little more than the parameters and inputs are live.
+            scratch = self.backend.compile_scratch
+            options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside + scratch,
+                                          compile_scratch_bytes=scratch)
         record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites(),
                                 rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)),
                                 input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
         token = _RECORD.set(record)
         try:
-            with planning_sizes(self.sizes), timing_allocation_limit(_headroom_bytes(options, example_inputs)):
+            # op timing runs while the compile's own copies are live (counted in the reserve or not)
+            headroom = _headroom_bytes(options, example_inputs) - (self.backend.compile_scratch - options.compile_scratch_bytes)
+            with planning_sizes(self.sizes), timing_allocation_limit(headroom):
                 fn = self.backend.compile_graph(gm, example_inputs, options)
         finally:
             _RECORD.reset(token)
@@ -714,6 +720,9 @@ class Backend:
         self.eager_frames: list[tp.EagerFrame] = []  # frames Dynamo ran eagerly, outside every plan ("warn")
         self.ledger = StepLedger()
         self.compiles = 0  # graphs compiled (first compiles and re-plans)
+        # What compiling a graph at a call holds on the step's device (set with the workspaces):
+        # counted where a region compiles beside what other regions hold.
+        self.compile_scratch = 0
         self.step_plans = 0  # times a plan for the whole step was chosen (settle)
         self.compiled_ahead = 0  # regions compiled since the last call (DDPOptimizer compiles all at once)
         self._settled: tuple | None = None  # the step shape the current step plan was chosen for
@@ -767,11 +776,12 @@ class Backend:
         options = [[option for option, _ in menu] for menu in menus]
         positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)
                      for region, f in completed]
-        budget = self.options.step_budget_bytes
+        # the regions compile the plans chosen at their next calls, beside what the step holds
+        budget = self.options.step_budget_bytes - self.compile_scratch
         choice = choose_joint(positions, options, budget)
         if choice is None:
             least = least_step_peak(positions, options)
-            need = least.step_peak_bytes + self.options.reserve_bytes
+            need = least.step_peak_bytes + self.options.reserve_bytes + self.compile_scratch
             error = InfeasibleBudgetError(
                 f"memcompile: no plan of this step's {len(positions)} region calls ({len(regions)} compiled "
                 f"region(s)) fits the budget of {format_bytes(self.options.budget_bytes)} "
@@ -879,16 +889,15 @@ class Backend:
 
     def reserve_library_workspace(self, example_inputs: Sequence[Any]) -> None:
         """Count the matmul library's workspaces (cuBLAS on CUDA: 2 x 32 MiB on an H200, measured
-        in an allocator snapshot as blocks no op of the step allocated) and what a compile during
-        the step allocates beside it (compile_scratch_bytes) in the reserve, once."""
-        if self.options.library_workspace_bytes or self.options.compile_scratch_bytes:
+        in an allocator snapshot as blocks no op of the step allocated) in the reserve, once; and
+        learn what a compile during the step allocates beside it (compile_scratch_bytes)."""
+        if self.options.library_workspace_bytes or self.compile_scratch:
             return
         device = step_device(example_inputs)
-        workspace, scratch = blas_workspace_bytes(device), compile_scratch_bytes(device)
-        if workspace or scratch:
-            self.options = dataclasses.replace(
-                self.options, reserve_bytes=self.options.reserve_bytes + workspace + scratch,
-                library_workspace_bytes=workspace, compile_scratch_bytes=scratch)
+        workspace, self.compile_scratch = blas_workspace_bytes(device), compile_scratch_bytes(device)
+        if workspace:
+            self.options = dataclasses.replace(self.options, reserve_bytes=self.options.reserve_bytes + workspace,
+                                               library_workspace_bytes=workspace)
 
     def backward_ran(self) -> None:
         """A backward of this step has started: the step's calls are known. The first time, say
