@@ -212,10 +212,21 @@ def stock_inductor_rules():
         ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES = saved
 
 
+def check_switches() -> tuple[tuple[str, object], ...]:
+    """The switches of this module that change what the schedule check predicts."""
+    return (("ADJACENT_REUSE_ONLY", ADJACENT_REUSE_ONLY), ("LIFETIME_FUSION", LIFETIME_FUSION),
+            ("CHECK_STOCK_RULES", _CHECK_STOCK_RULES))
+
+
 def mark_planned(*graphs: fx.GraphModule) -> None:
-    """Mark graphs as planned by memcompile (see PLANNED_GRAPH)."""
+    """Mark graphs as planned by memcompile (see PLANNED_GRAPH). The mark names the rules'
+    version: GraphModule.meta is part of the key of Inductor's FX graph cache, so code compiled
+    under one version of the rules (or under Inductor's own) is never reused under another."""
+    from memcompile.plan_cache import source_hash
+
+    tag = f"memcompile {source_hash()} adjacent_reuse={ADJACENT_REUSE_ONLY} lifetime_fusion={LIFETIME_FUSION}"
     for gm in graphs:
-        gm.meta[PLANNED_GRAPH] = True
+        gm.meta[PLANNED_GRAPH] = tag
 
 
 def _stored_bytes(buf) -> int:
@@ -363,12 +374,12 @@ def inductor_decompositions() -> dict:
 
 
 @contextlib.contextmanager
-def caches_disabled():
-    """Plans are made inside the partitioner, which a cache hit skips; until plans are persisted
-    next to Inductor's cache entries we compile without the FX/AOT caches."""
-    with _functorch_config.patch(enable_autograd_cache=False), _inductor_config.patch(
-        fx_graph_cache=False
-    ):
+def autograd_cache_disabled():
+    """Plans are made inside the partitioner, which an AOTAutograd cache hit skips (no Plan, no
+    budget check): that cache is off for memcompile's compiles. Inductor's FX graph cache stays
+    on: it caches each partitioned graph's code after the partitioner ran (a later launch reads
+    its plan from memcompile/plan_store.py, its code from Inductor's cache)."""
+    with _functorch_config.patch(enable_autograd_cache=False):
         yield
 
 
@@ -387,7 +398,7 @@ def compile_with_inductor(
             on_inference(graph)
         return _compile_fx_inner(graph, inputs, **kwargs)
 
-    with caches_disabled():
+    with autograd_cache_disabled():
         return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
                            config_patches={"custom_partitioner_fn": partitioner})
 
@@ -422,7 +433,7 @@ def compile_with_aot_eager(
         partition_fn=partition_fn,
         decompositions=_select_decomp_table(),
     )
-    with caches_disabled():
+    with autograd_cache_disabled():
         return backend(gm, example_inputs)
 
 
@@ -532,6 +543,20 @@ def inductor_lowering_facts() -> tuple[frozenset, frozenset, frozenset]:
 
     return (frozenset(k for k in lowering.lowerings if isinstance(k, torch._ops.OpOverload)),
             frozenset(lowering.fallbacks), frozenset(lowering.needs_realized_inputs))
+
+
+def inductor_config_text() -> str:
+    """Inductor's configuration as text: what its lowering and scheduler read (a plan store key part)."""
+    from torch._inductor import config
+
+    def plain(value: object) -> object:
+        # a custom pass is known by its uuid (as Inductor's own cache knows it), else by its type
+        if isinstance(value, (str, int, float, bool, type(None), list, tuple, dict)):
+            return value
+        uuid = getattr(value, "uuid", None)
+        return uuid() if callable(uuid) else type(value).__qualname__
+
+    return repr(sorted((k, plain(v)) for k, v in config.save_config_portable().items()))
 
 
 def inductor_post_grad_copy(gm: fx.GraphModule, is_inference: bool = False) -> fx.GraphModule:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -105,6 +106,7 @@ class Options:
     # Part of reserve_bytes: the optimizer's state (budget(optimizer=...), memcompile/optimizer_state.py).
     optimizer_reserve_bytes: int = 0
     optimizer_source: str = ""  # how it was counted (shown in the plan)
+    plan_store_dir: str = ""  # planning outcomes kept for the next launch here (memcompile/plan_store.py); "": not kept
 
     @property
     def step_budget_bytes(self) -> int:
@@ -127,7 +129,7 @@ class Options:
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
     known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps",
-             "chunk_loss", "chunk_mlp", "on_unplanned", "on_first_step_overrun", "optimizer"}
+             "chunk_loss", "chunk_mlp", "on_unplanned", "on_first_step_overrun", "optimizer", "plan_store"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
@@ -181,11 +183,29 @@ def make_options(limit: object, **overrides: object) -> Options:
         raise ValueError(f"on_first_step_overrun={on_overrun!r}: expected 'raise' (the default: a call that cannot fit "
                          "beside regions of its step planned before it was known stops with StepOverrunError) or "
                          "'warn' (run that step over the budget with a StepOverrunWarning)")
+    plan_store_dir = _plan_store_dir(overrides.pop("plan_store", True))
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
                    None if offload == "auto" else offload, None if link is None else float(link),
                    chunk_loss=chunk_loss, chunk_mlp=chunk_mlp, on_unplanned=on_unplanned,
                    on_first_step_overrun=on_overrun, budget_spec=budget_spec,
-                   optimizer_reserve_bytes=held.nbytes, optimizer_source=held.source)
+                   optimizer_reserve_bytes=held.nbytes, optimizer_source=held.source, plan_store_dir=plan_store_dir)
+
+
+def _plan_store_dir(value: object) -> str:
+    """The plan store's folder: True (the default) is MEMCOMPILE_PLAN_STORE if set (a folder, or
+    "0" for none), else memcompile/plan_store.py's default; False: none; a str: that folder."""
+    if value is True:
+        from memcompile.plan_store import default_directory
+
+        value = os.environ.get("MEMCOMPILE_PLAN_STORE") or default_directory()
+        return "" if value == "0" else str(value)
+    if value is False:
+        return ""
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return os.fspath(value)
+    raise ValueError(f"plan_store={value!r}: expected True (the default: keep plans on disk for the next launch, "
+                     "in MEMCOMPILE_PLAN_STORE or a folder under the temporary directory), False (never), "
+                     "or a folder path")
 
 
 def _check_reserve(budget_bytes: int, reserve_bytes: int, optimizer_bytes: int) -> None:

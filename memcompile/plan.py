@@ -74,6 +74,9 @@ class Plan:
     # (name, category, bytes) of the largest storages live at the predicted peak, largest first
     peak_tensors: tuple[tuple[str, str, int], ...] = ()
     backward_from_step: int = -1  # index of the first backward step in live_bytes_after (-1: unknown)
+    # Read back from the plan store (memcompile/plan_store.py): planned by an earlier launch for
+    # this exact graph, options and machine, so not searched or checked again.
+    from_plan_store: bool = False
 
     @property
     def total_added_time_s(self) -> float:

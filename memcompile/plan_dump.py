@@ -160,6 +160,7 @@ def plan_text(plan: Plan) -> str:
         f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s"
         + (f", gap {plan.gap:.1%}" if plan.solver_status in _TIMED_STATUSES else "")
         + (f"; checks {plan.check_s:.2f} s" if plan.check_s else "")
+        + ("; read from the plan store (an earlier launch planned this graph)" if plan.from_plan_store else "")
         + (", compiled under Inductor's own rules" if plan.stock_inductor_rules else ""),
         f"  status           {status_words(plan.solver_status, plan.gap)}",
         f"  added step time  ~{format_seconds(plan.total_added_time_s)} (estimate"
@@ -280,7 +281,7 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
 _ADDED_LATER = {"library_workspace_bytes": 0, "compile_scratch_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, "size_bounds": [],
                 "stock_inductor_rules": False, "budget_source": "", "optimizer_reserve_bytes": 0,
                 "optimizer_source": "", "check_s": 0.0, "live_categories_after": [], "peak_tensors": [],
-                "backward_from_step": -1}
+                "backward_from_step": -1, "from_plan_store": False}
 
 
 def plan_from_json(data: dict[str, Any] | str) -> Plan:
@@ -320,6 +321,7 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
                                         for c, series in data["live_categories_after"]),
             peak_tensors=tuple((str(n), str(c), int(b)) for n, c, b in data["peak_tensors"]),
             backward_from_step=int(data["backward_from_step"]),
+            from_plan_store=bool(data["from_plan_store"]),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error

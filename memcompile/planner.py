@@ -40,7 +40,8 @@ from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
 from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Decision, Plan, format_bytes
-from memcompile.plan_cache import solve_cached
+from memcompile import plan_store
+from memcompile.plan_cache import solve_cached, source_hash
 from memcompile.sizes import size_value
 from memcompile.solver.activations import (
     ActivationProblem,
@@ -222,6 +223,55 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
     return tuple(rows)
 
 
+def _analyse(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices, options: Options,
+             device: str) -> tuple[JointAnalysis, object]:
+    """The joint graph's plain problem (and the device profile it was costed with)."""
+    profile = profile_for(device)
+    store = _store_options(options, device)
+    model_fusion = _runs_under_inductor(options) and FUSION_CHECK
+    analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
+                                   fuse=model_fusion)
+    if model_fusion and RECOMPUTE_FUSION:
+        analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
+    return analysis, profile
+
+
+def _stock_candidates(options: Options, device: str) -> bool:
+    # PyTorch's own partitions are candidates unless offload is allowed (on a device with its own
+    # memory, copies overlapped with compute may cost less than any recomputation; not measured
+    # yet). With lossy formats allowed they still come first: where one fits, it loses no
+    # precision and was faster than the solver's plans (Llama small at 13.53 MiB with int8
+    # allowed: 1.28x the step, with nothing quantized, where the 0.4 partition ran at 1.15x).
+    return _runs_under_inductor(options) and STOCK_CANDIDATES and not _store_options(options, device).offload
+
+
+def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fwd_outputs: int,
+                   static_lifetime_input_indices, options: Options, device: str) -> "Replanner":
+    problem = analysis.problem
+    fuse = _runs_under_inductor(options)
+    keep_all = close_decisions(problem, prefer_recompute=set())
+    model_peak, _ = evaluate(problem, *keep_all)
+    baseline = _rewrite_and_check(
+        joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
+        fuse=fuse, rounding=options.allocator_rounding,
+    )
+    stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
+                            {n.name for n in analysis.forward_nodes}, options.allocator_rounding,
+                            _headroom_bytes(options.step_budget_bytes, joint_inputs)
+                            ) if _stock_candidates(options, device) else None
+    return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
+                     stock=stock)
+
+
+def experiment_switches() -> tuple[tuple[str, object], ...]:
+    """The A/B switches read from the environment at import (MEMCOMPILE_*), and the check's mode:
+    what a stored plan's key holds beside the options (they change what the check predicts)."""
+    from memcompile.cost_models import op_timing
+
+    return (("FUSION_CHECK", FUSION_CHECK), ("RECOMPUTE_FUSION", RECOMPUTE_FUSION),
+            ("STOCK_CANDIDATES", STOCK_CANDIDATES), ("TIME_OPS", op_timing.TIME_OPS)) + tp.check_switches()
+
+
 def _plan_joint_graph(
     joint: fx.GraphModule,
     joint_inputs,
@@ -232,41 +282,107 @@ def _plan_joint_graph(
     graph_id: str,
     request: "PlanRequest | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
-    check_s = _CHECK_S.get() or [0.0]
-    logs.stage(f"{graph_id}: analysing the joint graph")
+    """The plan of one joint graph: read from the plan store where an earlier launch made it for
+    the same graph, options and machine (memcompile/plan_store.py), else searched and stored."""
     joint = tp.prepare_joint_graph(joint)
     device = options.device or step_device(joint_inputs)
-    profile = profile_for(device)
-    store = _store_options(options, device)
-    model_fusion = _runs_under_inductor(options) and FUSION_CHECK
-    analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
-                                   fuse=model_fusion)
-    if model_fusion and RECOMPUTE_FUSION:
-        analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
-    problem = analysis.problem
-    budget = options.step_budget_bytes
+    key = None
+    if options.plan_store_dir and (request is None or request.decisions is None):
+        flags = "-" if request is None else f"least_peak={request.least_peak} search={request.search_least_peak}"
+        key = plan_store.outcome_key(
+            joint, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices,
+            options_text=options.describe(), request_text=flags,
+            environment_text=f"{torch.__version__} {source_hash()} {plan_store.machine_text(device)} "
+                             f"{experiment_switches()} {tp.inductor_config_text()}")
+    if key is not None:
+        stored = plan_store.load(options.plan_store_dir, key)
+        if stored is not None:
+            replayed = _replay(stored, joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, options,
+                               graph_id, request, device)
+            if replayed is not None:
+                return replayed
+    asked = request if request is not None else PlanRequest()  # the same asks as none
+    try:
+        fw, bw, plan = _search(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                               static_lifetime_input_indices=static_lifetime_input_indices, options=options,
+                               graph_id=graph_id, request=asked, device=device)
+    except InfeasibleBudgetError as error:
+        if key is not None:
+            plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome(
+                "infeasible", error_message=str(error), min_feasible_bytes=error.min_feasible_bytes,
+                contributors=tuple(error.contributors)))
+        raise
+    except NoSolverPlanFits:
+        if key is not None:
+            plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome("no_fit"))
+        raise
+    if key is not None:
+        solution, replanner = asked.solution, asked.replanner
+        names: tuple[str, ...] = ()
+        if isinstance(solution, ActivationSolution):
+            made = replanner._made if isinstance(replanner, DeferredReplanner) else replanner
+            names = tuple(made.analysis.problem.names) if made is not None else ()
+        if isinstance(solution, StockSolution) or names:
+            plan_store.save(options.plan_store_dir, key,
+                            plan_store.StoredOutcome("plan", plan=plan, solution=solution, candidate_names=names))
+    return fw, bw, plan
 
+
+def _replay(stored: "plan_store.StoredOutcome", joint, joint_inputs, num_fwd_outputs: int,
+            static_lifetime_input_indices, options: Options, graph_id: str, request: "PlanRequest | None",
+            device: str) -> tuple[fx.GraphModule, fx.GraphModule, Plan] | None:
+    """A stored outcome, as it happened the first time; None if it no longer applies (then plan)."""
+    def replanner() -> Replanner:
+        analysis, profile = _analyse(joint, num_fwd_outputs, static_lifetime_input_indices, options, device)
+        return _new_replanner(joint, joint_inputs, analysis, profile, num_fwd_outputs,
+                              static_lifetime_input_indices, options, device)
+
+    if request is not None:
+        request.replanner = DeferredReplanner(replanner)
+    if stored.kind == "infeasible":
+        raise InfeasibleBudgetError(stored.error_message, budget_bytes=options.budget_bytes,
+                                    min_feasible_bytes=stored.min_feasible_bytes, contributors=stored.contributors)
+    if stored.kind == "no_fit":
+        raise NoSolverPlanFits(options.step_budget_bytes)
+    solution = stored.solution
+    if isinstance(solution, StockSolution):
+        fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=solution.fraction,
+                                    num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_indices=static_lifetime_input_indices)
+    elif isinstance(solution, ActivationSolution):
+        analysis, _ = _analyse(joint, num_fwd_outputs, static_lifetime_input_indices, options, device)
+        if tuple(analysis.problem.names) != stored.candidate_names:
+            return None
+        fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored)
+    else:
+        return None
+    if request is not None:
+        request.solution = solution
+    logs.stage(f"{graph_id}: the plan an earlier launch made for this graph, read from the plan store")
+    return fw, bw, plan_store.as_loaded(stored.plan, graph_id)
+
+
+def _search(
+    joint: fx.GraphModule,
+    joint_inputs,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None,
+    options: Options,
+    graph_id: str,
+    request: "PlanRequest",
+    device: str,
+) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
+    check_s = _CHECK_S.get() or [0.0]
+    logs.stage(f"{graph_id}: analysing the joint graph")
+    analysis, profile = _analyse(joint, num_fwd_outputs, static_lifetime_input_indices, options, device)
+    budget = options.step_budget_bytes
     fuse = _runs_under_inductor(options)
-    # PyTorch's own partitions are candidates unless offload is allowed (on a device with its own
-    # memory, copies overlapped with compute may cost less than any recomputation; not measured
-    # yet). With lossy formats allowed they still come first: where one fits, it loses no
-    # precision and was faster than the solver's plans (Llama small at 13.53 MiB with int8
-    # allowed: 1.28x the step, with nothing quantized, where the 0.4 partition ran at 1.15x).
-    stock_candidates = fuse and STOCK_CANDIDATES and not store.offload
-    forward_names = {n.name for n in analysis.forward_nodes}
+    stock_candidates = _stock_candidates(options, device)
 
     def make_replanner() -> Replanner:
-        keep_all = close_decisions(problem, prefer_recompute=set())
-        model_peak, _ = evaluate(problem, *keep_all)
-        baseline = _rewrite_and_check(
-            joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
-            fuse=fuse, rounding=options.allocator_rounding,
-        )
-        stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
-                                forward_names, options.allocator_rounding,
-                                _headroom_bytes(budget, joint_inputs)) if stock_candidates else None
-        return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
-                         stock=stock)
+        return _new_replanner(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
+                              options, device)
 
     plain = None
     if stock_candidates and (request is None or (request.decisions is None and not request.least_peak)):

@@ -1,0 +1,158 @@
+"""Planning outcomes kept on disk: a second launch of the same script does not plan again.
+
+A first call plans each joint graph with exact checks of candidate plans (each an Inductor
+lowering and schedule of the whole graph: seconds per check at 12 layers). Its outcome depends
+only on what the key below holds, so the next launch of the same script reads it back:
+
+- key: the joint graph as data (every node's op, target, arguments, name, and its value's shape,
+  stride, dtype and device; the checkpoint annotations), the planning options (the budget and
+  the reserve included), the request's flags, and everything else the check reads: the torch
+  version, memcompile's source, Inductor's configuration, the CPU's instruction set and thread
+  count (library scratch depends on them), the accelerator's name, the experiment switches;
+- value: the outcome: the chosen decisions and their Plan (its checked peak), or the
+  InfeasibleBudgetError (with its floor) or NoSolverPlanFits that planning raised.
+
+A hit re-makes the forward and backward graphs from the decisions and skips the search and the
+checks: they would check exactly the graphs they checked before. Graphs with symbolic sizes are
+not stored (their plans depend on the sizes seen so far). Unreadable or foreign files are misses;
+writes are atomic (a temporary file renamed), so concurrent launches do not see half a record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import platform
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from memcompile.plan import Plan
+
+log = logging.getLogger("memcompile")
+
+FORMAT = 1  # bump when StoredOutcome changes shape
+
+
+@dataclass(frozen=True)
+class StoredOutcome:
+    """What one planning of a joint graph ended with."""
+
+    kind: str  # "plan" | "infeasible" | "no_fit"
+    plan: Plan | None = None  # kind "plan": the plan as first made
+    solution: Any = None  # kind "plan": ActivationSolution | StockSolution (decisions by candidate index)
+    candidate_names: tuple[str, ...] = ()  # the problem's candidates the indices refer to (checked on a hit)
+    error_message: str = ""  # kind "infeasible"
+    min_feasible_bytes: int = 0
+    contributors: tuple[tuple[str, int], ...] = ()
+
+
+def default_directory() -> str:
+    """Where plans are kept unless the user says: beside Inductor's own default cache."""
+    try:
+        user = os.getlogin()
+    except OSError:
+        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
+    return os.path.join(tempfile.gettempdir(), f"memcompile_{user}", "plans")
+
+
+def _value_text(value: object) -> str | None:
+    """Shape, stride, dtype and device of a node's value; None where a size is symbolic."""
+    if isinstance(value, torch.Tensor):
+        sizes = tuple(value.shape) + tuple(value.stride()) + (value.storage_offset(),)
+        if any(isinstance(s, torch.SymInt) for s in sizes):
+            return None
+        return f"T{tuple(value.shape)}{tuple(value.stride())}+{value.storage_offset()}{value.dtype}{value.device}"
+    if isinstance(value, (list, tuple)):
+        parts = [_value_text(v) for v in value]
+        return None if any(p is None for p in parts) else "(" + ",".join(parts) + ")"
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return None
+    return type(value).__name__ if value is not None else "-"
+
+
+def _argument_text(arg: object) -> str:
+    if isinstance(arg, fx.Node):
+        return "%" + arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ",".join(_argument_text(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    if isinstance(arg, dict):
+        return "{" + ",".join(f"{k}:{_argument_text(v)}" for k, v in arg.items()) + "}"
+    return repr(arg)
+
+
+def graph_text(gm: fx.GraphModule) -> str | None:
+    """The graph as the planner reads it, as text; None if any size in it is symbolic."""
+    lines = []
+    for node in gm.graph.nodes:
+        value = _value_text(node.meta.get("val"))
+        if value is None and node.op != "output":
+            return None
+        target = getattr(node.target, "__qualname__", None) or str(node.target)
+        module = getattr(node.target, "__module__", "") if callable(node.target) else ""
+        lines.append(f"{node.op} {node.name} {module}.{target} {_argument_text(node.args)} "
+                     f"{_argument_text(node.kwargs)} {value} {node.meta.get('recompute')!r} "
+                     f"{node.meta.get('ac_graph_id')!r}")
+    return "\n".join(lines)
+
+
+def outcome_key(joint: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices, options_text: str,
+                request_text: str, environment_text: str) -> str | None:
+    """The key of this planning; None where it must not be stored (symbolic sizes)."""
+    text = graph_text(joint)
+    if text is None:
+        return None
+    digest = hashlib.sha256()
+    for part in (f"format {FORMAT}", text, f"outputs {num_fwd_outputs}", f"static {list(static_lifetime_input_indices or [])}",
+                 options_text, request_text, environment_text):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def machine_text(device: str) -> str:
+    """What of the machine the check reads: the CPU's ISA and threads, the accelerator."""
+    parts = [platform.machine(), torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
+             os.environ.get("ONEDNN_MAX_CPU_ISA", "") + os.environ.get("DNNL_MAX_CPU_ISA", "")]
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        parts += [torch.cuda.get_device_name(index), str(torch.cuda.get_device_capability(index)), str(torch.version.cuda)]
+    return " ".join(parts)
+
+
+def load(directory: str, key: str) -> StoredOutcome | None:
+    path = pathlib.Path(directory) / key[:2] / f"{key}.pkl"
+    try:
+        with path.open("rb") as f:
+            stored = pickle.load(f)
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # noqa: BLE001 - a damaged or foreign file is a miss, never a failure
+        log.debug("memcompile: plan store entry %s unreadable (%s: %s)", path, type(error).__name__, error)
+        return None
+    return stored if isinstance(stored, StoredOutcome) else None
+
+
+def save(directory: str, key: str, outcome: StoredOutcome) -> None:
+    folder = pathlib.Path(directory) / key[:2]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(handle, "wb") as f:
+            pickle.dump(outcome, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(temporary, folder / f"{key}.pkl")
+    except OSError as error:  # a read-only or full disk costs the next launch a plan, nothing else
+        log.debug("memcompile: plan store not written (%s)", error)
+
+
+def as_loaded(plan: Plan, graph_id: str) -> Plan:
+    """The stored plan as this launch's: its graph's name here, no search or check time spent."""
+    return dataclasses.replace(plan, graph_id=graph_id, solve_s=0.0, check_s=0.0, from_plan_store=True)

@@ -1,0 +1,178 @@
+"""The plan store: a later launch reads the outcome an earlier one planned, and only for the same
+graph, options and machine (memcompile/plan_store.py)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import memcompile
+from memcompile import plan_cache, planner
+from models import WithLoss, build
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _step(model, x, budget, store, codegen="aot_eager", **options):
+    """One compiled step from a fresh start (no Dynamo or in-process solver cache): (plan, grads, peak)."""
+    torch.compiler.reset()
+    plan_cache.clear()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    backend = memcompile.budget(budget, codegen=codegen, time_limit_s=2, plan_store=store, **options)
+    compiled = torch.compile(WithLoss(model), backend=backend)
+    compiled(x).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    peak = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes
+    model.zero_grad(set_to_none=True)
+    torch.compiler.reset()
+    return backend.plans[0], grads, peak
+
+
+def _floor(model, x, store) -> int:
+    torch.compiler.reset()
+    with pytest.raises(memcompile.InfeasibleBudgetError) as error:
+        torch.compile(WithLoss(model), backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=2,
+                                                                  plan_store=store))(x)
+    torch.compiler.reset()
+    return error.value.min_feasible_bytes
+
+
+def _fitting_budget(model, x, margin: float = 1.15) -> int:
+    """A budget above the floor that a run meets (a first step of several regions may name the
+    floor of the regions seen so far: raised until one runs)."""
+    budget = int(_floor(model, x, False) * margin)
+    for _ in range(4):
+        try:
+            _step(model, x, budget, False)
+            return budget
+        except memcompile.InfeasibleBudgetError as error:
+            budget = int(error.min_feasible_bytes * margin)
+    raise AssertionError("no budget ran")
+
+
+def _no_search(monkeypatch) -> None:
+    def searched(*args, **kwargs):
+        raise AssertionError("planned again although the store holds this graph's outcome")
+    monkeypatch.setattr(planner, "_search", searched)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "convbn"])
+def test_a_second_launch_reads_the_plan_and_runs_it_within_the_budget(tmp_path, monkeypatch, arch):
+    model, x = build(arch, 64 if arch == "mlp" else 8, 3, 32 if arch == "mlp" else 4, seed=1)
+    budget = _fitting_budget(model, x)
+    first, grads, peak = _step(model, x, budget, str(tmp_path))
+    assert not first.from_plan_store and peak <= budget
+    assert list(tmp_path.rglob("*.pkl")), "nothing was stored"
+    _no_search(monkeypatch)
+    again, grads_again, peak_again = _step(model, x, budget, str(tmp_path))
+    assert again.from_plan_store
+    assert again.decisions == first.decisions
+    assert again.predicted_peak_bytes == first.predicted_peak_bytes
+    assert peak_again == peak <= budget
+    for a, b in zip(grads, grads_again):
+        assert torch.equal(a, b)
+    assert "read from the plan store" in memcompile.dump(again)
+
+
+def test_an_infeasible_budget_is_answered_from_the_store(tmp_path, monkeypatch):
+    model, x = build("mlp", 64, 3, 32, seed=2)
+    floor = _floor(model, x, str(tmp_path))
+    _no_search(monkeypatch)
+    assert _floor(model, x, str(tmp_path)) == floor
+
+
+def test_another_budget_shape_or_switch_is_planned_afresh(tmp_path):
+    model, x = build("mlp", 64, 3, 32, seed=3)
+    budget = _fitting_budget(model, x, 1.2)
+    _step(model, x, budget, str(tmp_path))
+    stored = set(tmp_path.rglob("*.pkl"))
+    for change in ("budget", "shape", "switch"):
+        b, inputs = (budget + 4096, x) if change == "budget" else (budget, x)
+        if change == "shape":
+            inputs = torch.randn(x.shape[0] + 8, x.shape[1], requires_grad=True)
+            b = _fitting_budget(model, inputs, 1.2)
+        with pytest.MonkeyPatch.context() as patch:
+            if change == "switch":
+                patch.setattr(planner, "RECOMPUTE_FUSION", not planner.RECOMPUTE_FUSION)
+            plan, _, _ = _step(model, inputs, b, str(tmp_path))
+        assert not plan.from_plan_store, change
+        now = set(tmp_path.rglob("*.pkl"))
+        assert now > stored, f"{change}: no new entry"
+        stored = now
+
+
+def test_a_damaged_entry_is_a_miss_and_is_replaced(tmp_path):
+    model, x = build("mlp", 64, 2, 32, seed=4)
+    budget = _fitting_budget(model, x, 1.2)
+    first, _, _ = _step(model, x, budget, str(tmp_path))
+    (entry,) = [p for p in tmp_path.rglob("*.pkl") if p.stat().st_size > 0][-1:]
+    entry.write_bytes(b"not a pickle")
+    plan, _, peak = _step(model, x, budget, str(tmp_path))
+    assert not plan.from_plan_store and plan.decisions == first.decisions and peak <= budget
+    plan, _, _ = _step(model, x, budget, str(tmp_path))
+    assert plan.from_plan_store
+
+
+def test_symbolic_sizes_are_not_stored(tmp_path):
+    model, x = build("mlp", 32, 2, 16, seed=5)
+    torch.compiler.reset()
+    backend = memcompile.budget(10**9, codegen="aot_eager", plan_store=str(tmp_path))
+    compiled = torch.compile(WithLoss(model), backend=backend, dynamic=True)
+    compiled(x).backward()
+    torch.compiler.reset()
+    assert backend.plans and not list(tmp_path.rglob("*.pkl"))
+
+
+def test_the_option_is_validated_and_off_writes_nothing(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="plan_store"):
+        memcompile.budget("1GB", plan_store=3)
+    assert memcompile.budget("1GB", plan_store=False).options.plan_store_dir == ""
+    assert memcompile.budget("1GB", plan_store=str(tmp_path)).options.plan_store_dir == str(tmp_path)
+    monkeypatch.setenv("MEMCOMPILE_PLAN_STORE", str(tmp_path / "env"))
+    assert memcompile.budget("1GB").options.plan_store_dir == str(tmp_path / "env")
+    monkeypatch.setenv("MEMCOMPILE_PLAN_STORE", "0")
+    assert memcompile.budget("1GB").options.plan_store_dir == ""
+    model, x = build("mlp", 32, 2, 16, seed=6)
+    _step(model, x, 10**9, False)
+    assert not list(tmp_path.rglob("*.pkl"))
+
+
+_LAUNCH = textwrap.dedent("""
+    import sys, torch, memcompile
+    sys.path.insert(0, sys.argv[3])
+    from models import WithLoss, build
+    model, x = build("mlp", 64, 3, 32, seed=7)
+    backend = memcompile.budget(int(sys.argv[1]), time_limit_s=2, plan_store=sys.argv[2])
+    torch.compile(WithLoss(model), backend=backend)(x).backward()
+    plan = backend.plans[0]
+    print("RESULT", plan.from_plan_store, plan.predicted_peak_bytes, plan.solver_status)
+""")
+
+
+@pytest.mark.inductor
+def test_two_launches_of_one_script_under_inductor(tmp_path):
+    """The key is stable across processes (no addresses, ids or timings in it)."""
+    model, x = build("mlp", 64, 3, 32, seed=7)
+    budget = _fitting_budget(model, x, 1.1)
+    script = tmp_path / "launch.py"
+    script.write_text(_LAUNCH)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MEMCOMPILE_PLAN_STORE", None)
+    tests = str(pathlib.Path(__file__).parent)
+    results = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, str(script), str(budget), str(tmp_path / "store"), tests],
+                             capture_output=True, text=True, env=env, timeout=600)
+        line = [r for r in out.stdout.splitlines() if r.startswith("RESULT")]
+        assert line, out.stderr[-3000:]
+        results.append(line[0].split(maxsplit=3))
+    assert results[0][1] == "False" and results[1][1] == "True"
+    assert results[0][2:] == results[1][2:]
