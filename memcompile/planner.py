@@ -246,7 +246,9 @@ def _stock_candidates(options: Options, device: str) -> bool:
 
 
 def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fwd_outputs: int,
-                   static_lifetime_input_indices, options: Options, device: str) -> "Replanner":
+                   static_lifetime_input_indices, options: Options, device: str,
+                   plain: "_Attempt | None" = None) -> "Replanner":
+    """`plain`: PyTorch's default partition if already made (its graphs are the 1.0 candidate's)."""
     problem = analysis.problem
     fuse = _runs_under_inductor(options)
     keep_all = close_decisions(problem, prefer_recompute=set())
@@ -259,6 +261,8 @@ def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fw
                             {n.name for n in analysis.forward_nodes}, options.allocator_rounding,
                             _headroom_bytes(options.step_budget_bytes, joint_inputs)
                             ) if _stock_candidates(options, device) else None
+    if stock is not None and plain is not None:
+        stock.seed(1.0, plain.forward, plain.backward)
     return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
                      stock=stock)
 
@@ -380,9 +384,11 @@ def _search(
     fuse = _runs_under_inductor(options)
     stock_candidates = _stock_candidates(options, device)
 
+    made_plain: list[_Attempt] = []  # plain Inductor's partition once made: the 1.0 candidate's graphs
+
     def make_replanner() -> Replanner:
         return _new_replanner(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
-                              options, device)
+                              options, device, made_plain[0] if made_plain else None)
 
     plain = None
     if stock_candidates and (request is None or (request.decisions is None and not request.least_peak)):
@@ -393,6 +399,7 @@ def _search(
         logs.stage(f"{graph_id}: checking plain Inductor's partition")
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                           options.allocator_rounding)
+        made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             plain = None
     replanner = DeferredReplanner(make_replanner) if plain is not None else make_replanner()
@@ -541,6 +548,7 @@ class StockPartitions:
     rounding: AllocatorRounding = EXACT  # what each allocation holds on the step's device
     headroom_bytes: int | None = None  # what the step budget leaves beside the graph's inputs now
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
+    _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
 
     def at(self, fraction: float) -> _Attempt | None:
@@ -550,9 +558,9 @@ class StockPartitions:
         attempt = self._made_at(fraction)
         if attempt is None:
             return None
-        base = self._made_at(1.0)
+        base = self._partition(1.0)
         recomputed_s = attempt.solution.added_time_s
-        added = max(0.0, recomputed_s - base.solution.added_time_s) if base is not None else recomputed_s
+        added = max(0.0, recomputed_s - base[2]) if base is not None else recomputed_s
         return dataclasses.replace(attempt, solution=dataclasses.replace(attempt.solution, added_time_s=added))
 
     def _made_at(self, fraction: float) -> _Attempt | None:
@@ -561,7 +569,19 @@ class StockPartitions:
             self._made[fraction] = self._make(fraction)
         return self._made[fraction]
 
-    def _make(self, fraction: float) -> _Attempt | None:
+    def _partition(self, fraction: float) -> tuple[fx.GraphModule, fx.GraphModule, float] | None:
+        """(forward, backward, its recomputations' estimated time), made once; None where PyTorch's
+        partitioner cannot make it here or it is not a candidate."""
+        if fraction not in self._partitions:
+            self._partitions[fraction] = self._make_partition(fraction)
+        return self._partitions[fraction]
+
+    def seed(self, fraction: float, forward: fx.GraphModule, backward: fx.GraphModule) -> None:
+        """The partition at `fraction` made elsewhere (plain Inductor's, at 1.0): not made again."""
+        if fraction not in self._partitions:
+            self._partitions[fraction] = self._screened(fraction, forward, backward)
+
+    def _make_partition(self, fraction: float) -> tuple[fx.GraphModule, fx.GraphModule, float] | None:
         scratch = knapsack_scratch_bytes(fraction)
         if self.headroom_bytes is not None and self.headroom_bytes < scratch:
             # PyTorch's knapsack allocates its rows as tensors while the step's inputs are live
@@ -572,13 +592,32 @@ class StockPartitions:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
                                         num_fwd_outputs=self.num_fwd_outputs,
                                         static_lifetime_input_indices=self.static_lifetime_input_indices)
-            redrawn = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in self.forward_names
-                       and (is_random_op(n) or tp.is_inductor_random_op(n.target))]
-            if redrawn:
-                # PyTorch's partitions below 1.0 may draw random ops again in the backward (on the
-                # CPU: other dropout masks than the forward's, so other gradients than the seed's)
-                log.debug("memcompile: no stock partition at %s: it recomputes random ops %s", fraction, redrawn)
-                return None
+        except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
+            log.debug("memcompile: the stock partition at %s could not be made (%s: %s)", fraction,
+                      type(error).__name__, error)
+            return None
+        return self._screened(fraction, fw, bw)
+
+    def _screened(self, fraction: float, fw: fx.GraphModule, bw: fx.GraphModule
+                  ) -> tuple[fx.GraphModule, fx.GraphModule, float] | None:
+        redrawn = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in self.forward_names
+                   and (is_random_op(n) or tp.is_inductor_random_op(n.target))]
+        if redrawn:
+            # PyTorch's partitions below 1.0 may draw random ops again in the backward (on the
+            # CPU: other dropout masks than the forward's, so other gradients than the seed's)
+            log.debug("memcompile: no stock partition at %s: it recomputes random ops %s", fraction, redrawn)
+            return None
+        # Forward ops the partitioner placed in the backward are its recomputations.
+        recomputed_s = sum(estimate_node_time_s(n, self.profile) for n in bw.graph.nodes
+                           if n.op == "call_function" and n.name in self.forward_names)
+        return fw, bw, recomputed_s
+
+    def _make(self, fraction: float) -> _Attempt | None:
+        made = self._partition(fraction)
+        if made is None:
+            return None
+        fw, bw, recomputed_s = made
+        try:
             timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True, self.rounding)
         except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
@@ -586,9 +625,6 @@ class StockPartitions:
             return None
         log.debug("memcompile: stock partition at activation_memory_budget=%s: checked peak %s", fraction,
                  format_bytes(timeline.peak_bytes))
-        # Forward ops the partitioner placed in the backward are its recomputations.
-        recomputed_s = sum(estimate_node_time_s(n, self.profile) for n in bw.graph.nodes
-                           if n.op == "call_function" and n.name in self.forward_names)
         rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
         return _Attempt(StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
 
@@ -600,18 +636,25 @@ class StockPartitions:
         return self._step_time_s
 
     def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
-        """The partition at the largest of `fractions` (descending) whose checked peak fits.
-        The smallest is made first: when even it does not fit (tight budgets, where the solver
-        plans), that is one partition and check instead of four (GPT-2 small: ~10 s each on a
-        loaded core)."""
-        smallest = self._made_at(fractions[-1])
+        """The partition at the largest of `fractions` (descending) whose checked peak fits, found
+        by bisection (a partition's peak falls with its fraction; where it does not, a fitting one
+        is still found, perhaps not the largest). The smallest is made first: when even it does
+        not fit (tight budgets, where the solver plans), that is one partition and check instead
+        of four; each check is a lowering and schedule of the whole graph (GPT-2 124M at 1 x 256
+        tokens: 5-16 s)."""
+        fits = len(fractions) - 1
+        smallest = self._made_at(fractions[fits])
         if smallest is None or smallest.timeline.peak_bytes > budget:
             return None
-        for fraction in fractions:
-            made = self._made_at(fraction)
+        low, high = 0, fits - 1
+        while low <= high:
+            middle = (low + high) // 2
+            made = self._made_at(fractions[middle])
             if made is not None and made.timeline.peak_bytes <= budget:
-                return self.at(fraction)
-        return None
+                fits, high = middle, middle - 1
+            else:
+                low = middle + 1
+        return self.at(fractions[fits])
 
 
 def _stock_decisions(forward: fx.GraphModule, fraction: float, num_fwd_outputs: int) -> tuple[Decision, ...]:
