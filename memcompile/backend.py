@@ -25,6 +25,7 @@ from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
 from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
+from memcompile import plan_store
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import (InfeasibleBudgetError, PlannedOnly, PlanningFailedError, StepOverrunError,
                                StepOverrunWarning, UnplannedFrameError, UnplannedFrameWarning)
@@ -35,6 +36,7 @@ from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
 from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, held_bytes, plan_joint_graph,
+                                planning_environment,
                                 predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 
@@ -191,6 +193,8 @@ class _Region:
         self.loss_heads: tuple[LossHead, ...] = ()
         self.mlps: tuple[MlpBlock, ...] = ()
         self.reasons: dict[str, str] = {}  # why "auto" applied a rewrite, by its attribute (for the plan)
+        self.chunk_limits: dict[str, int | None] = {}  # the chunk limit each applied rewrite took (None: finest)
+        self.searched_least_peak = True
         for rewrite in _REWRITES:
             if getattr(backend.options, rewrite.option) is True:
                 gm, found = rewrite.apply(gm)
@@ -237,12 +241,22 @@ class _Region:
         kind = "least" if cautious else "outside"
 
         def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
-            return self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
-                                 PlanRequest(least_peak=cautious, search_least_peak=search_least_peak))
+            variant = self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
+                                    PlanRequest(least_peak=cautious, search_least_peak=search_least_peak))
+            self.searched_least_peak = search_least_peak  # the request the kept compile made (a ladder replays it)
+            return variant
 
         # Where a rewrite could lower the floor (a chunked loss head, chunked MLPs), a graph no
         # solver plan fits is not searched for its least peak before the rewritten graph is planned.
         defer = not cautious and outside <= 0 and bool(self._pending_rewrites())
+        # An earlier launch's ladder for this graph goes straight to the rewrites it ended with.
+        ladder_key = self._ladder_key(outside) if defer else None
+        replayed = self._replay_ladder(ladder_key, position, outside, compile_for) if ladder_key else None
+        if replayed is not None:
+            self._first = replayed
+            backend.compiled_ahead += 1
+            self._current = (self._first, outside)
+            return
         try:
             self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
         except StepOverrunError:
@@ -261,6 +275,8 @@ class _Region:
                 device = backend.options.device or step_device(example_inputs)
                 for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
                     self._rewrite_if_faster(rewrite, position, outside, compile_for, device)
+        if ladder_key is not None:
+            self._store_ladder(ladder_key)
         # Counted once compiled: a compile Dynamo abandons (it restarts its analysis from inside
         # the backend, e.g. TensorifyScalarRestartAnalysis under dynamic=True) is never called,
         # and counting it made the retried compile of a one-region step cautious (its least peak).
@@ -373,11 +389,11 @@ class _Region:
     def _head_state(self) -> tuple:
         """What rewriting the graph changes, to go back to it as it was."""
         return (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, dict(self.variants),
-                dict(self.reasons))
+                dict(self.reasons), dict(self.chunk_limits))
 
     def _restore_head_state(self, state: tuple) -> None:
         (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, self.variants,
-         self.reasons) = state
+         self.reasons, self.chunk_limits) = state
 
     def _forget_plan(self, plan: Plan) -> None:
         """Drop the plan of a compile this region does not use from the backend's list."""
@@ -392,8 +408,49 @@ class _Region:
             return False
         self.gm = gm
         setattr(self, rewrite.attr, found)
+        self.chunk_limits[rewrite.attr] = max_chunks
         self.pristine_graph = copy.deepcopy(gm.graph)
         return True
+
+    def _ladder_key(self, outside: int) -> str | None:
+        """The plan store's key of this region's rewrite ladder: its Dynamo graph, the options,
+        what others hold, the machine; None where not stored (symbolic sizes, no store)."""
+        options = self.backend.options
+        if not options.plan_store_dir or self.fake_inputs is None:
+            return None
+        device = options.device or step_device(self.fake_inputs)
+        return plan_store.outcome_key(self.gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
+                                      options_text=options.describe(), request_text=f"ladder outside={outside}",
+                                      environment_text=planning_environment(device))
+
+    def _replay_ladder(self, key: str, position: int, outside: int,
+                       compile_for: Callable[..., _Variant]) -> _Variant | None:
+        """The rewrites an earlier launch's ladder ended with, applied at once and planned (its
+        plan is then in the store too); None, with the region as it was, if that does not fit."""
+        stored = plan_store.load_ladder(self.backend.options.plan_store_dir, key)
+        if not stored:
+            return None
+        moves, search = stored
+        saved = self._head_state()
+        by_attr = {r.attr: r for r in _REWRITES}
+        for attr, limit, reason in moves:
+            rewrite = by_attr.get(attr)
+            if rewrite is None or getattr(self, attr) or not self._apply(rewrite, limit):
+                self._restore_head_state(saved)
+                return None
+            self.reasons[attr] = reason
+            logs.rung(f"{rewrite.what} chunked, as an earlier launch chose ({reason})")
+        try:
+            return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
+        except (NoSolverPlanFits, InfeasibleBudgetError, StepOverrunError):
+            self._restore_head_state(saved)
+            return None
+
+    def _store_ladder(self, key: str) -> None:
+        moves = tuple((r.attr, self.chunk_limits.get(r.attr), self.reasons.get(r.attr, ""))
+                      for r in _REWRITES if getattr(self, r.attr) and getattr(self.backend.options, r.option) == "auto")
+        if moves:
+            plan_store.save_ladder(self.backend.options.plan_store_dir, key, moves, self.searched_least_peak)
 
     def _graph_rewrites(self) -> tuple[str, ...]:
         """What this region changed in its graph, and why, for the plan."""

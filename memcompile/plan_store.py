@@ -13,7 +13,9 @@ only on what the key below holds, so the next launch of the same script reads it
   InfeasibleBudgetError (with its floor) or NoSolverPlanFits that planning raised.
 
 A hit re-makes the forward and backward graphs from the decisions and skips the search and the
-checks: they would check exactly the graphs they checked before. Graphs with symbolic sizes are
+checks: they would check exactly the graphs they checked before. A region's rewrite ladder is kept
+the same way (keyed by its Dynamo graph): a later launch applies the rewrites it ended with at once
+instead of planning the rungs before them again. Graphs with symbolic sizes are
 not stored (their plans depend on the sizes seen so far). Unreadable or foreign files are misses;
 writes are atomic (a temporary file renamed), so concurrent launches do not see half a record.
 """
@@ -93,7 +95,7 @@ def graph_text(gm: fx.GraphModule) -> str | None:
     """The graph as the planner reads it, as text; None if any size in it is symbolic."""
     lines = []
     for node in gm.graph.nodes:
-        value = _value_text(node.meta.get("val"))
+        value = _value_text(node.meta.get("val", node.meta.get("example_value")))
         if value is None and node.op != "output":
             return None
         target = getattr(node.target, "__qualname__", None) or str(node.target)
@@ -129,6 +131,11 @@ def machine_text(device: str) -> str:
 
 
 def load(directory: str, key: str) -> StoredOutcome | None:
+    stored = _load_any(directory, key)
+    return stored if isinstance(stored, StoredOutcome) else None
+
+
+def _load_any(directory: str, key: str) -> object:
     path = pathlib.Path(directory) / key[:2] / f"{key}.pkl"
     try:
         with path.open("rb") as f:
@@ -138,10 +145,10 @@ def load(directory: str, key: str) -> StoredOutcome | None:
     except Exception as error:  # noqa: BLE001 - a damaged or foreign file is a miss, never a failure
         log.debug("memcompile: plan store entry %s unreadable (%s: %s)", path, type(error).__name__, error)
         return None
-    return stored if isinstance(stored, StoredOutcome) else None
+    return stored
 
 
-def save(directory: str, key: str, outcome: StoredOutcome) -> None:
+def save(directory: str, key: str, outcome: "StoredOutcome | StoredLadder") -> None:
     folder = pathlib.Path(directory) / key[:2]
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -151,6 +158,24 @@ def save(directory: str, key: str, outcome: StoredOutcome) -> None:
         os.replace(temporary, folder / f"{key}.pkl")
     except OSError as error:  # a read-only or full disk costs the next launch a plan, nothing else
         log.debug("memcompile: plan store not written (%s)", error)
+
+
+@dataclass(frozen=True)
+class StoredLadder:
+    """Where a region's rewrite ladder ended: the rewrites applied, as (attribute, chunk limit,
+    reason), and whether the compile that was kept searched its least peak."""
+
+    moves: tuple[tuple[str, int | None, str], ...]
+    searched_least_peak: bool
+
+
+def save_ladder(directory: str, key: str, moves: tuple, searched_least_peak: bool) -> None:
+    save(directory, key, StoredLadder(tuple(moves), searched_least_peak))
+
+
+def load_ladder(directory: str, key: str) -> tuple[tuple, bool] | None:
+    stored = _load_any(directory, key)
+    return (stored.moves, stored.searched_least_peak) if isinstance(stored, StoredLadder) else None
 
 
 def as_loaded(plan: Plan, graph_id: str) -> Plan:

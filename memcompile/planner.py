@@ -276,6 +276,12 @@ def experiment_switches() -> tuple[tuple[str, object], ...]:
             ("STOCK_CANDIDATES", STOCK_CANDIDATES), ("TIME_OPS", op_timing.TIME_OPS)) + tp.check_switches()
 
 
+def planning_environment(device: str) -> str:
+    """Everything besides the graph and the options that planning reads (a stored plan's key)."""
+    return (f"{torch.__version__} {source_hash()} {plan_store.machine_text(device)} {experiment_switches()} "
+            f"{tp.inductor_config_text()}")
+
+
 def _plan_joint_graph(
     joint: fx.GraphModule,
     joint_inputs,
@@ -296,8 +302,7 @@ def _plan_joint_graph(
         key = plan_store.outcome_key(
             joint, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices,
             options_text=options.describe(), request_text=flags,
-            environment_text=f"{torch.__version__} {source_hash()} {plan_store.machine_text(device)} "
-                             f"{experiment_switches()} {tp.inductor_config_text()}")
+            environment_text=planning_environment(device))
     if key is not None:
         stored = plan_store.load(options.plan_store_dir, key)
         if stored is not None:

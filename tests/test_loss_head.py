@@ -694,3 +694,40 @@ def test_the_backward_only_scales_the_gradients_the_forward_computed() -> None:
     (0.5 * F.cross_entropy(F.linear(h, weight, bias), target, reduction="sum")).backward()
     for g, p in zip(got, (h, weight, bias)):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_later_launch_goes_straight_to_the_chunked_head(tmp_path, monkeypatch) -> None:
+    """The plan store keeps where the rewrite ladder ended: a second launch applies the chunked
+    head at once, plans nothing (its plan is stored too), and runs the same plan within the budget."""
+    from memcompile import planner, plan_cache
+
+    model, ids = _head_bound_lm()
+    whole_floor, _ = budget_range(model, ids, chunk_loss=False)
+    chunked_floor, _ = budget_range(model, ids, chunk_loss=True)
+    budget = (chunked_floor + whole_floor) // 2
+    params = list(model.parameters())
+    runs = []
+    for launch in range(2):
+        torch.compiler.reset()
+        plan_cache.clear()
+        if launch == 1:
+            def searched(*args, **kwargs):
+                raise AssertionError("a rung was planned again")
+            monkeypatch.setattr(planner, "_search", searched)
+            plannings = []
+            real = planner._plan_joint_graph
+            monkeypatch.setattr(planner, "_plan_joint_graph", lambda *a, **k: plannings.append(1) or real(*a, **k))
+        backend, compiled = compile_under(model, budget, plan_store=str(tmp_path))
+        got = grads(params, lambda: compiled(ids))
+        (plan,) = backend.plans
+        measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
+        model.zero_grad(set_to_none=True)
+        runs.append((plan, got, measured.peak_bytes))
+    (first, first_grads, first_peak), (again, again_grads, again_peak) = runs
+    assert not first.from_plan_store and again.from_plan_store
+    assert again.graph_rewrites == first.graph_rewrites and "chunked into" in again.graph_rewrites[0]
+    assert again.decisions == first.decisions
+    assert again_peak == first_peak <= budget
+    assert len(plannings) == 1, "the graph with the head whole was traced and looked up again"
+    for a, b in zip(first_grads, again_grads):
+        assert torch.equal(a, b)
