@@ -329,7 +329,7 @@ def _plan_joint_graph(
         solution, replanner = asked.solution, asked.replanner
         names: tuple[str, ...] = ()
         if isinstance(solution, ActivationSolution):
-            made = replanner._made if isinstance(replanner, DeferredReplanner) else replanner
+            made = replanner.made if isinstance(replanner, DeferredReplanner) else replanner
             names = tuple(made.analysis.problem.names) if made is not None else ()
         if isinstance(solution, StockSolution) or names:
             plan_store.save(options.plan_store_dir, key,
@@ -764,6 +764,11 @@ class DeferredReplanner:
     def __init__(self, make: Callable[[], "Replanner"]) -> None:
         self._make = make
         self._made: Replanner | None = None
+
+    @property
+    def made(self) -> "Replanner | None":
+        """The Replanner if something asked for it, else None (nothing was made)."""
+        return self._made
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
