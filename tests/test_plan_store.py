@@ -30,8 +30,10 @@ def _step(model, x, budget, store, codegen="aot_eager", **options):
     compiled(x).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
+    x.grad = None  # a gradient held at the step's start would count (accumulation)
     peak = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes
     model.zero_grad(set_to_none=True)
+    x.grad = None
     torch.compiler.reset()
     return backend.plans[0], grads, peak
 
