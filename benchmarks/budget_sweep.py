@@ -73,14 +73,17 @@ def run(cases: int, codegen: str, seed: int, path: pathlib.Path, deadline_s: flo
 
 def report(path: pathlib.Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    commits = sorted({r["commit"] for r in rows})
     kinds = sorted({r["case"]["kind"] for r in rows})
     lines = [
         "# Budget sweep: never over budget in silence",
         "",
         f"{len(rows)} random (model, graph breaks, budget) cases, codegen {', '.join(sorted({r['codegen'] for r in rows}))}, "
-        f"commit {', '.join(commits)}, torch {rows[0]['torch'] if rows else '?'}, a shared 2-core x86-64 CPU VM. "
-        "Command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/budget_sweep.py --cases 300` then `--report`.",
+        f"torch {rows[0]['torch'] if rows else '?'}, a shared 2-core x86-64 CPU VM; by seed: "
+        + "; ".join(f"seed {seed}: {sum(r['seed'] == seed for r in rows)} cases at commit "
+                    f"{', '.join(sorted({r['commit'] for r in rows if r['seed'] == seed}))}"
+                    for seed in sorted({r['seed'] for r in rows}))
+        + ". Command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/budget_sweep.py --cases 150 --seed S` per seed, "
+        "then `--report`.",
         "Budgets log-uniform in [0.2, 1.2] x the keep-all step peak; every step measured (the first included).",
         "",
         "| model | cases | ran within budget | infeasible (typed, floor met) | overrun (typed, rerun fits) | "
