@@ -389,11 +389,11 @@ class _Region:
     def _head_state(self) -> tuple:
         """What rewriting the graph changes, to go back to it as it was."""
         return (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, dict(self.variants),
-                dict(self.reasons), dict(self.chunk_limits))
+                dict(self.reasons), dict(self.chunk_limits), self.searched_least_peak)
 
     def _restore_head_state(self, state: tuple) -> None:
         (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, self.variants,
-         self.reasons, self.chunk_limits) = state
+         self.reasons, self.chunk_limits, self.searched_least_peak) = state
 
     def _forget_plan(self, plan: Plan) -> None:
         """Drop the plan of a compile this region does not use from the backend's list."""
