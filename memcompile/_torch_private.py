@@ -483,6 +483,74 @@ def profiler_allocation_deltas(prof: Any) -> list[tuple[int, int]]:
     return deltas
 
 
+def profiler_running() -> bool:
+    """A torch profiler is recording in this process (a second one would break the first)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def start_memory_profile() -> Any:
+    """A started CPU profiler recording allocator events (stop it with stop_memory_profile)."""
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    profile.__enter__()
+    return profile
+
+
+def stop_memory_profile(profile: Any) -> None:
+    profile.__exit__(None, None, None)
+
+
+def profiler_mark(name: str) -> None:
+    """An instant marker named `name` in the running profile (nothing where none runs)."""
+    with torch.profiler.record_function(name):
+        pass
+
+
+def profiler_mark_times(prof: Any, name: str) -> list[int]:
+    """The times (ns, the clock of profiler_allocation_deltas) of the markers named `name`, in order."""
+    times: list[int] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.name == name:
+            times.append(event.start_time_ns)
+        stack.extend(event.children)
+    return sorted(times)
+
+
+def after_backward_returns(callback: Callable[[], None]) -> None:
+    """From inside a backward pass on this thread: run `callback` once the engine's call has
+    returned to Python (the thread's state autograd saved is then restored), through a profile
+    function chained to any already set (sys.setprofile, this thread, removed after)."""
+    import sys
+
+    from torch.autograd.graph import _engine_run_backward
+
+    previous = sys.getprofile()
+    code = _engine_run_backward.__code__
+    nested = 0  # backward passes started inside this one (a reentrant checkpoint)
+
+    def watch(frame, event, arg):
+        nonlocal nested
+        if previous is not None:
+            previous(frame, event, arg)
+        if frame.f_code is not code:
+            return
+        if event == "call":
+            nested += 1
+        elif event == "return" and nested:
+            nested -= 1
+        elif event == "return":
+            sys.setprofile(previous)
+            callback()
+
+    sys.setprofile(watch)
+
+
+def call_when_backward_ends(callback: Callable[[], None]) -> None:
+    """From inside a backward pass (a hook): run `callback` once the whole pass has ended."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu_isa() -> tuple[bool, bool, bool]:
     """(AMX tiles, AMX-FP16, AVX-512) on this CPU; all True where torch no longer says."""

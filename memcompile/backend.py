@@ -39,6 +39,7 @@ from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, held_b
                                 planning_environment,
                                 predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
+from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter
 
 log = logging.getLogger("memcompile")
 
@@ -216,6 +217,23 @@ class _Region:
         self._example_inputs = list(example_inputs)  # only until the first compile
         self._first: _Variant | None = None
         self.followed_in_first_step = False
+        # What eager code was measured to hold as this region's backward starts (a loss computed
+        # on its output; memcompile/step_meter.py), planned for (Options.boundary_bytes).
+        self.boundary_bytes = 0
+        self.boundary_where = ""
+
+    def hold_at_backward_start(self, nbytes: int, where: str, outside: int) -> None:
+        """Plan for `nbytes` held by eager code as the backward starts. Unless what runs fits
+        with them added at its peak (beside `outside`, what the step holds then), every variant
+        made without them is dropped, so the next call plans again."""
+        self.boundary_bytes, self.boundary_where = nbytes, where
+        plan = self._current[0].plan if self._current is not None else None
+        if plan is not None and plan.predicted_peak_bytes + nbytes + outside <= self.backend.options.step_budget_bytes:
+            return
+        self.variants.clear()
+        self._current = self.assigned = self._first = None
+        self._options = None
+        self.replanner = None
 
     def _sizes_key(self) -> tuple:
         return tuple(sorted((str(k), v) for k, v in self.sizes.items()))
@@ -467,7 +485,7 @@ class _Region:
 
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  request: PlanRequest) -> _Variant:
-        options = self.backend.options
+        options = dataclasses.replace(self.backend.options, boundary_bytes=self.boundary_bytes)
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it; and
             # this compile (at a call, beside it) holds its scratch then. A step's only region, or
@@ -668,6 +686,7 @@ class _Region:
         except (InfeasibleBudgetError, StepOverrunError):
             self.sizes = planned_sizes  # smaller sizes keep running under their plan
             ledger.abort_step()  # the step stops here; the next call starts it again
+            backend.stop_measuring()
             raise
         self._current = (variant, outside)
         footprint = variant.footprint(held_by_caller)
@@ -677,8 +696,19 @@ class _Region:
             backend.warn_if_step_over_budget()
         if footprint is not None and variant.inputs is not None and len(args) == len(variant.inputs.nbytes):
             ledger.watch_leaves(position, _freed_leaves(args, held_by_caller, variant.inputs))
+        meter = backend.meter_for(position, args)
+        graph_id = variant.plan.graph_id if variant.plan is not None else "a region"
+        if meter is not None and footprint is not None:
+            # what the plans count as held when this call starts (the measured outside aside)
+            planned = (ledger.outside_bytes(position) - ledger.eager_bytes() + footprint.params_bytes
+                       + footprint.inputs_bytes + held_grads + backend.options.reserve_bytes)
+            meter.bound(Bound("call", f"{graph_id}'s forward (step position {position})", planned_bytes=planned))
         out = variant.fn(*args)
         _on_backward(out, backend.backward_ran)  # before user_outputs: returned logits' own path may never run
+        if meter is not None:
+            meter.bound(Bound("open", f"the eager code after {graph_id}'s forward (step position {position})",
+                              position=position))
+            _meter_backward(out, meter, f"the eager code after {graph_id}'s backward (step position {position})")
         return variant.user_outputs(out, args)
 
 
@@ -724,6 +754,10 @@ class _Rewrite:
 _REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", find_loss_heads, chunk_loss_heads),
              _Rewrite("the MLPs", "chunk_mlp", "mlps", find_mlps, chunk_mlps, when_faster=False, coarse_first=(2,)))
 
+# Steps measured at most (memcompile/step_meter.py): the first, and those planned for a larger
+# figure of memory outside the regions than the step before.
+_MEASURED_STEPS_MAX = 3
+
 # Options between a region's keep-all and least-peak plans offered to the step plan.
 _OPTIONS_BETWEEN = 3
 
@@ -760,6 +794,27 @@ def _on_backward(outputs: Any, callback: Callable[[], None]) -> None:
             return
 
 
+def _meter_backward(outputs: Any, meter: StepMeter, after: str) -> None:
+    """Bounds of the eager windows around this call's compiled backward: one closes as it starts
+    (the gradients handed to it are its plan's), one opens when it ends; the first backward of
+    the step also closes the step's measure when the whole backward pass has ended."""
+    for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+        grad_fn = getattr(out, "grad_fn", None)
+        if grad_fn is None:
+            continue
+
+        def starts(grad_outputs):
+            handed = sum(g.untyped_storage().nbytes() for g in grad_outputs if isinstance(g, torch.Tensor))
+            if not meter.backward_seen:
+                meter.backward_seen = True
+                tp.call_when_backward_ends(meter.backward_ended)
+            meter.bound(Bound("close", BACKWARD_STARTS, handed_bytes=handed))
+
+        grad_fn.register_prehook(starts)
+        grad_fn.register_hook(lambda *_: meter.bound(Bound("open", after)))
+        return
+
+
 class Backend:
     """What `memcompile.budget(...)` returns: pass it as `torch.compile(..., backend=...)`.
 
@@ -793,6 +848,12 @@ class Backend:
         self.regions = 0  # regions compiled (one per captured graph)
         self.compile_s = 0.0  # wall time of their first compiles
         self._first_step_ended = False
+        # The step's memory outside its compiled regions is measured (memcompile/step_meter.py)
+        # in its first step, and again in a step planned for a larger figure than the last.
+        self.meter: StepMeter | None = None
+        self.measured_steps: list[StepMemory] = []
+        self._measure_next = True
+        self._unmeasured_warned = False
         with _lock:
             self.id = next(_ids)
             _BACKENDS[self.id] = self
@@ -834,11 +895,13 @@ class Backend:
         positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)
                      for region, f in completed]
         # the regions compile the plans chosen at their next calls, beside what the step holds
-        budget = self.options.step_budget_bytes - self.compile_scratch
+        # and beside what the step was measured to hold outside every region
+        eager = self.ledger.eager_bytes()
+        budget = self.options.step_budget_bytes - self.compile_scratch - eager
         choice = choose_joint(positions, options, budget)
         if choice is None:
             least = least_step_peak(positions, options)
-            need = least.step_peak_bytes + self.options.reserve_bytes + self.compile_scratch
+            need = least.step_peak_bytes + self.options.reserve_bytes + self.compile_scratch + eager
             error = InfeasibleBudgetError(
                 f"memcompile: no plan of this step's {len(positions)} region calls ({len(regions)} compiled "
                 f"region(s)) fits the budget of {format_bytes(self.options.budget_bytes)} "
@@ -853,7 +916,7 @@ class Backend:
         peaks = joint_step_peaks(positions, options, choice.option_of)
         for r, region in enumerate(regions):
             own = options[r][choice.option_of[r]].own_peak_bytes
-            outside = max(peak - own for peak, q in zip(peaks, positions) if q.region == r)
+            outside = max(peak - own for peak, q in zip(peaks, positions) if q.region == r) + eager
             decisions = menus[r][choice.option_of[r]][1]
             region.assigned = None if decisions is None else (decisions, outside)
         self._settled = shape
@@ -861,6 +924,73 @@ class Backend:
         log.debug("memcompile: one plan per region for the step: predicted step peak %s of %s, added time "
                   "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
                   choice.added_time_s * 1e3, choice.status)
+
+    def meter_for(self, position: int, args: Sequence[Any]) -> StepMeter | None:
+        """The meter of this step, started at its first call when the step is to be measured."""
+        if position == 0:
+            self.stop_measuring()  # a step that ended without a backward is not read
+            if self._measure_next:
+                self._measure_next = False
+                meter = StepMeter(torch.device(step_device(args)), self.step_measured)
+                if meter.start():
+                    self.meter = meter
+                elif not self._unmeasured_warned:
+                    self._unmeasured_warned = True
+                    log.warning("memcompile: another profiler is running, so the memory this step holds outside its "
+                                "compiled regions (an eager loss, eager modules between compiled blocks) cannot be "
+                                "measured and is not in the plan; run a step without the profiler first")
+        return self.meter if self.meter is not None and not self.meter.finished else None
+
+    def stop_measuring(self) -> None:
+        if self.meter is not None and not self.meter.finished:
+            self.meter.abandon()
+            if not self.meter.read:
+                self._measure_next = True  # measure the next step instead
+        self.meter = None
+
+    def step_measured(self, measured: StepMemory) -> None:
+        """A measured step's memory: what it held outside the plans is held beside every region
+        from the next call on (a larger figure than planned: that step is measured too). A step
+        that ran over the budget raises StepOverrunError (on_first_step_overrun="warn": warns)."""
+        self.measured_steps.append(measured)
+        step = self.ledger.steps_completed() + 1
+        grew = measured.outside_bytes > self.ledger.eager_bytes()
+        if grew:
+            self.ledger.measured_outside(measured.outside_bytes, measured.where)
+        calls = self.ledger.calls_before(measured.boundary_position + 1)
+        region = calls[measured.boundary_position][0] if 0 <= measured.boundary_position < len(calls) else None
+        if isinstance(region, _Region) and measured.boundary_bytes > region.boundary_bytes:
+            region.hold_at_backward_start(measured.boundary_bytes, measured.boundary_where,
+                                          self.ledger.outside_bytes(measured.boundary_position))
+            grew = True
+        self._measure_next = grew and len(self.measured_steps) < _MEASURED_STEPS_MAX
+        log.debug("memcompile: step %d measured a peak of %s (budget %s); eager code outside the compiled regions held "
+                 "up to %s as the backward started (%s) and %s beyond the plans at other times (%s)%s", step,
+                 format_bytes(measured.peak_bytes), format_bytes(self.options.budget_bytes),
+                 format_bytes(measured.boundary_bytes), measured.boundary_where or "-",
+                 format_bytes(measured.outside_bytes), measured.where or "-",
+                 "; the next step is planned with them" if grew else "")
+        over = measured.peak_bytes - self.options.budget_bytes
+        if over <= 0:
+            return
+        message = (
+            f"memcompile: step {step} measured a peak of {format_bytes(measured.peak_bytes)} "
+            f"({measured.peak_bytes} bytes), {format_bytes(over)} over the budget of "
+            f"{format_bytes(self.options.budget_bytes)} ({self.options.budget_bytes} bytes). Outside its compiled "
+            f"regions the step held memory no plan had counted: {format_bytes(measured.boundary_bytes)} "
+            f"({measured.boundary_bytes} bytes) as the backward started ({measured.boundary_where or '-'}), "
+            f"{format_bytes(measured.outside_bytes)} ({measured.outside_bytes} bytes) at other times "
+            f"({measured.where or '-'}): eager code such as a loss computed on a returned output, or modules run "
+            "eagerly between compiled blocks. From the next step on the plans hold it beside them, so the step "
+            "fits or raises InfeasibleBudgetError naming the whole step's floor before it runs. To keep the first "
+            f"step within the budget too, pass reserve={measured.boundary_bytes + measured.outside_bytes} to "
+            "memcompile.budget(), or compute the loss inside the compiled function.")
+        if self.options.on_first_step_overrun == "raise":
+            error = StepOverrunError(message, budget_bytes=self.options.budget_bytes, needed_bytes=measured.peak_bytes)
+            self.errors.append(error)
+            raise error
+        log.warning("%s", message)
+        warnings.warn(message, StepOverrunWarning, stacklevel=2)
 
     def reducible_saved_bytes(self, position: int) -> int:
         """What the calls of this step before `position` hold beyond their regions' least-peak

@@ -117,6 +117,9 @@ class StepLedger:
         # gradient), and the leaf inputs (by id) the calls of the step so far have taken.
         self._frame_leaves: dict[int, tuple[int, bool]] = {}
         self._seen: set[int] = set()
+        # Measured: the most the step held outside every plan (memcompile/step_meter.py), and where.
+        self._eager_bytes = 0
+        self._eager_where = ""
         self._lock = threading.Lock()
 
     # -- call tracking -------------------------------------------------------------------
@@ -244,18 +247,35 @@ class StepLedger:
         the ledger now knows (regions compiled later in the same step): a transient state."""
         with self._lock:
             slots, planned = list(self._slots), list(self._planned_outside)
-        return any(slots[j] is not None and planned[j] != outside_bytes(slots, j)
+            eager = self._eager_bytes
+        return any(slots[j] is not None and planned[j] != outside_bytes(slots, j) + eager
                    for j in range(min(position, len(slots))))
 
     # -- budget --------------------------------------------------------------------------
     def outside_bytes(self, position: int, also_seen: frozenset[int] = frozenset()) -> int:
-        """Bytes other regions hold while the region at `position` runs (module docstring); in
-        the first step, also the frame parameters not taken yet (but for `also_seen`: the
-        compiling region's own)."""
+        """Bytes other regions hold while the region at `position` runs (module docstring), and
+        what the step was measured to hold outside every region (eager_bytes); in the first
+        step, also the frame parameters not taken yet (but for `also_seen`: the compiling
+        region's own)."""
         with self._lock:
             slots = list(self._slots)
             unseen = self._unseen(also_seen)
-        return outside_bytes(slots, position) + unseen
+            eager = self._eager_bytes
+        return outside_bytes(slots, position) + unseen + eager
+
+    def measured_outside(self, nbytes: int, where: str) -> None:
+        """What a measured step held beyond its plans (step_meter.StepMemory.outside_bytes):
+        held beside every region from now on."""
+        with self._lock:
+            self._eager_bytes, self._eager_where = nbytes, where
+
+    def eager_bytes(self) -> int:
+        with self._lock:
+            return self._eager_bytes
+
+    def eager_where(self) -> str:
+        with self._lock:
+            return self._eager_where
 
     def predicted_step_peak(self) -> int:
         """Max over positions of (own peak + what the others hold then), over the last known step
@@ -263,7 +283,8 @@ class StepLedger:
         with self._lock:
             slots = list(self._slots)
             unseen = self._unseen()
-        return predicted_step_peak(slots) + (unseen if any(s is not None for s in slots) else 0)
+            eager = self._eager_bytes
+        return predicted_step_peak(slots) + (unseen + eager if any(s is not None for s in slots) else 0)
 
     def footprints(self) -> tuple[Footprint | None, ...]:
         with self._lock:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from memcompile import _torch_private as tp
+from memcompile.step_meter import all_live_cpu_tensors, enclosing_profile, finish_pending_meters, unique_storage_bytes
 
 
 @dataclass(frozen=True)
@@ -18,15 +18,6 @@ class PeakMeasurement:
     rise_bytes: int
     device: str
     result: Any
-
-
-def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -48,11 +39,6 @@ def _tensors_of(things: Iterable[object]) -> Iterable[torch.Tensor]:
             yield _local(t)
             if t.grad is not None:
                 yield _local(t.grad)
-
-
-def _all_live_cpu_tensors() -> list[torch.Tensor]:
-    gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
 
 
 def _check_measure_arguments(fn: object, live_at_start: object, device: object) -> None:
@@ -96,10 +82,16 @@ def measure_peak(
         if wrong:
             raise TypeError("measure_peak(live_at_start=...): expected modules and tensors only, "
                             f"got {', '.join(sorted(set(wrong)))}")
-    tensors = _tensors_of(live_at_start) if live_at_start is not None else _all_live_cpu_tensors()
-    start = _unique_storage_bytes(tensors)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn(*args, **kwargs)
+    tensors = _tensors_of(live_at_start) if live_at_start is not None else all_live_cpu_tensors()
+    start = unique_storage_bytes(tensors)
+    # memcompile's steps run inside read their memory from this profile (memcompile/step_meter.py);
+    # a profile one of them still holds is read first
+    finish_pending_meters()
+    with enclosing_profile() as meters:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn(*args, **kwargs)
+        for meter in meters:
+            meter.delivered(prof, start)
     running = rise = 0
     for _time_ns, delta in tp.profiler_allocation_deltas(prof):
         running += delta

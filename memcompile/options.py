@@ -107,6 +107,9 @@ class Options:
     optimizer_reserve_bytes: int = 0
     optimizer_source: str = ""  # how it was counted (shown in the plan)
     plan_store_dir: str = ""  # planning outcomes kept for the next launch here (memcompile/plan_store.py); "": not kept
+    # Held by eager code between the forward's return and the backward's start (a loss computed
+    # on a returned output), as measured (memcompile/step_meter.py): planned for at that moment.
+    boundary_bytes: int = 0
 
     @property
     def step_budget_bytes(self) -> int:

@@ -35,7 +35,8 @@ from memcompile.passes.activation_analysis import (
 )
 from memcompile.passes.calibration import calibrated, step_corrections
 from memcompile.passes.graph_facts import is_aliasing_op, is_random_op, step_device, tensor_nbytes
-from memcompile.passes.liveness import LivenessTimeline, analyze_liveness, analyze_scheduled_liveness
+from memcompile.passes.liveness import (LivenessTimeline, analyze_liveness, analyze_scheduled_liveness,
+                                        with_held_at_backward_start)
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
 from memcompile.passes.stored_forms import StoreOptions
@@ -44,6 +45,7 @@ from memcompile import plan_store
 from memcompile.plan_cache import solve_cached, source_hash
 from memcompile.sizes import size_value
 from memcompile.solver.activations import (
+    with_fixed_bytes_at,
     ActivationProblem,
     ActivationSolution,
     close_decisions,
@@ -90,7 +92,8 @@ def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = 
     # materializes; the FX interpreter (aot_eager) stores every node's result. `rounding`: what
     # each allocation holds on the step's device (Options.allocator_rounding).
     fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored)
-    return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse, rounding))
+    return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse, rounding,
+                                                         analysis.boundary_bytes))
 
 
 # Under Inductor the check predicts what Inductor's wrapper holds: its kernels in its order, with
@@ -125,11 +128,13 @@ _CHECK_S: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("m
 
 
 def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool,
-                       rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
-    """_predicted_liveness, its time added to the current planning's check time."""
+                       rounding: AllocatorRounding = EXACT, boundary_bytes: int = 0) -> LivenessTimeline:
+    """_predicted_liveness, its time added to the current planning's check time; with
+    `boundary_bytes` held by eager code as the backward starts (Options.boundary_bytes)."""
     began = time.perf_counter()
     try:
-        return _predicted_liveness(fw, bw, num_fwd_outputs, inductor, rounding)
+        return with_held_at_backward_start(_predicted_liveness(fw, bw, num_fwd_outputs, inductor, rounding),
+                                           boundary_bytes)
     finally:
         spent = _CHECK_S.get()
         if spent is not None:
@@ -233,6 +238,10 @@ def _analyse(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_
                                    fuse=model_fusion)
     if model_fusion and RECOMPUTE_FUSION:
         analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
+    if options.boundary_bytes:
+        analysis = dataclasses.replace(analysis, boundary_bytes=options.boundary_bytes,
+                                       problem=with_fixed_bytes_at(analysis.problem, len(analysis.forward_nodes),
+                                                                   options.boundary_bytes))
     return analysis, profile
 
 
@@ -259,8 +268,8 @@ def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fw
     )
     stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
                             {n.name for n in analysis.forward_nodes}, options.allocator_rounding,
-                            _headroom_bytes(options.step_budget_bytes, joint_inputs)
-                            ) if _stock_candidates(options, device) else None
+                            _headroom_bytes(options.step_budget_bytes, joint_inputs),
+                            boundary_bytes=options.boundary_bytes) if _stock_candidates(options, device) else None
     if stock is not None and plain is not None:
         stock.seed(1.0, plain.forward, plain.backward)
     return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
@@ -403,7 +412,7 @@ def _search(
         # schedule of the whole graph (70 of GPT-2 124M's 400 s first call, each, on a busy core).
         logs.stage(f"{graph_id}: checking plain Inductor's partition")
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                                          options.allocator_rounding)
+                                          options.allocator_rounding, options.boundary_bytes)
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             plain = None
@@ -441,7 +450,7 @@ def _search(
         # it runs under them.
         with tp.stock_inductor_rules():
             as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, True,
-                                          options.allocator_rounding)
+                                          options.allocator_rounding, options.boundary_bytes)
         if as_stock.peak_bytes <= budget:
             chosen, stock_rules = dataclasses.replace(chosen, timeline=as_stock), True
     after = chosen.timeline
@@ -552,6 +561,7 @@ class StockPartitions:
     forward_names: set[str]  # forward ops found in the backward are recomputations
     rounding: AllocatorRounding = EXACT  # what each allocation holds on the step's device
     headroom_bytes: int | None = None  # what the step budget leaves beside the graph's inputs now
+    boundary_bytes: int = 0  # held by eager code as the backward starts (Options.boundary_bytes)
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
     _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
@@ -623,7 +633,7 @@ class StockPartitions:
             return None
         fw, bw, recomputed_s = made
         try:
-            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True, self.rounding)
+            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True, self.rounding, self.boundary_bytes)
         except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
                      type(error).__name__, error)
@@ -740,7 +750,7 @@ def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
 
 
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                              rounding: AllocatorRounding) -> "_Attempt | None":
+                              rounding: AllocatorRounding, boundary_bytes: int = 0) -> "_Attempt | None":
     """PyTorch's default partition (activation_memory_budget=1.0), checked as plain Inductor
     compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked."""
     try:
@@ -748,7 +758,7 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
                                     num_fwd_outputs=num_fwd_outputs,
                                     static_lifetime_input_indices=static_lifetime_input_indices)
         with tp.stock_inductor_rules():
-            timeline = predicted_liveness(fw, bw, num_fwd_outputs, True, rounding)
+            timeline = predicted_liveness(fw, bw, num_fwd_outputs, True, rounding, boundary_bytes)
     except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
         log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
         return None
@@ -1131,7 +1141,8 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
     fw, bw = tp.stock_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=static_lifetime_input_indices)
     try:
-        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _runs_under_inductor(options), options.allocator_rounding)
+        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _runs_under_inductor(options), options.allocator_rounding,
+                                      options.boundary_bytes)
         peak, steps = timeline.peak_bytes, tuple(s.live_bytes for s in timeline.steps)
         phase, node, breakdown = timeline.peak_step.phase, timeline.peak_step.node, timeline.peak_breakdown
     except Exception:  # noqa: BLE001 - the prediction is informative only here

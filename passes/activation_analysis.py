@@ -51,6 +51,7 @@ class JointAnalysis:
     cannot_recompute_reason: tuple[str, ...]
     cannot_keep_reason: tuple[str, ...] = ()
     not_stored_reason: tuple[str, ...] = ()  # why quantize/offload were not offered, per candidate
+    boundary_bytes: int = 0  # held by eager code as the backward starts, in the problem (Options.boundary_bytes)
 
 
 def compute_unit(node: fx.Node) -> fx.Node:

@@ -13,6 +13,7 @@ in-place writes by their exact sizes, as Inductor matches them.
 from __future__ import annotations
 
 import heapq
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -659,3 +660,24 @@ def _node_named(gm: fx.GraphModule, name: str) -> fx.Node | None:
         if node.name == name:
             return node
     return None
+
+
+def with_held_at_backward_start(timeline: LivenessTimeline, nbytes: int) -> LivenessTimeline:
+    """`timeline` with `nbytes` more live at the backward's first step, as scratch: what eager
+    code between the forward's return and the backward's start holds beyond what the graphs do
+    (a loss computed outside the compiled model). The forward's last step already holds what the
+    backward starts with, so the first backward step stands for the gap between them."""
+    start = timeline.backward_start()
+    if not nbytes or start < 0:
+        return timeline
+    step = timeline.steps[start]
+    by_category = step.by_category
+    if len(by_category) == len(CATEGORIES):
+        by_category = tuple(b + (nbytes if c == SCRATCH else 0) for b, c in zip(by_category, CATEGORIES))
+    steps = timeline.steps[:start] + (dataclasses.replace(step, live_bytes=step.live_bytes + nbytes,
+                                                          by_category=by_category),) + timeline.steps[start + 1:]
+    if steps[start].live_bytes <= timeline.peak_bytes:
+        return dataclasses.replace(timeline, steps=steps)
+    breakdown = tuple((c, b) for c, b in zip(CATEGORIES, by_category)) if len(by_category) == len(CATEGORIES) else ()
+    return dataclasses.replace(timeline, steps=steps, peak_bytes=steps[start].live_bytes, peak_index=start,
+                               peak_breakdown=breakdown, peak_tensors=())

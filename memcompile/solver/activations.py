@@ -29,6 +29,7 @@ the first reader, as the rewrite does), so the model never claims less memory th
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -177,6 +178,19 @@ class ActivationProblem:
 # Stored decisions: (candidate, index into its store_choices).
 Stored = frozenset[tuple[int, int]]
 NOTHING_STORED: Stored = frozenset()
+
+
+def with_fixed_bytes_at(problem: ActivationProblem, step: int, nbytes: int) -> ActivationProblem:
+    """`problem` with `nbytes` more held at `step` by something no decision changes (eager code
+    run between the forward and the backward: the step the backward starts)."""
+    if not nbytes or not 0 <= step < len(problem.fixed_bytes):
+        return problem
+    fixed = list(problem.fixed_bytes)
+    fixed[step] += nbytes
+    before = list(problem.fixed_before_node_bytes)
+    if before:
+        before[step] += nbytes
+    return dataclasses.replace(problem, fixed_bytes=tuple(fixed), fixed_before_node_bytes=tuple(before))
 
 
 def is_lossy(choice: StoreChoice) -> bool:
