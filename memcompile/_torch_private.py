@@ -546,6 +546,30 @@ def after_backward_returns(callback: Callable[[], None]) -> None:
     sys.setprofile(watch)
 
 
+def watch_dynamo_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
+    """Call `started` / `ended` around each Dynamo compile (of any frame) until the returned
+    function is called, which removes them."""
+    handler = torch._dynamo.callback_handler
+
+    def on_start(_args):
+        started()
+
+    def on_end(_args):
+        ended()
+
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+
+    def remove() -> None:
+        # torch._dynamo.reset() may have cleared them already
+        if on_start in handler.start_callbacks:
+            handler.remove_start_callback(on_start)
+        if on_end in handler.end_callbacks:
+            handler.remove_end_callback(on_end)
+
+    return remove
+
+
 def call_when_backward_ends(callback: Callable[[], None]) -> None:
     """From inside a backward pass (a hook): run `callback` once the whole pass has ended."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

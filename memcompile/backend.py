@@ -669,6 +669,7 @@ class _Region:
             # one (for its inputs' strides): not a call of the step.
             return latest.user_outputs(latest.fn(*args), args)
         backend, ledger = self.backend, self.backend.ledger
+        backend.pause_measuring()  # re-plans below allocate: not the step's memory
         backend.compiled_ahead = 0
         planned_sizes, self.sizes = self.sizes, self._grown_sizes(args)
         # Leaf inputs (parameters, the user's tensors) are held by the caller all step; the
@@ -698,6 +699,7 @@ class _Region:
             ledger.watch_leaves(position, _freed_leaves(args, held_by_caller, variant.inputs))
         meter = backend.meter_for(position, args)
         graph_id = variant.plan.graph_id if variant.plan is not None else "a region"
+        backend.resume_measuring()
         if meter is not None and footprint is not None:
             # what the plans count as held when this call starts (the measured outside aside)
             planned = (ledger.outside_bytes(position) - ledger.eager_bytes() + footprint.params_bytes
@@ -708,7 +710,11 @@ class _Region:
         if meter is not None:
             meter.bound(Bound("open", f"the eager code after {graph_id}'s forward (step position {position})",
                               position=position))
-            _meter_backward(out, meter, f"the eager code after {graph_id}'s backward (step position {position})")
+            # by the end of its backward the region holds its parameters, their gradients and its
+            # inputs' gradients: the rest of its peak is free for eager code then
+            ended = footprint.params_bytes + footprint.grads_bytes + footprint.inputs_bytes if footprint else 0
+            slack = max(0, footprint.own_peak_bytes - ended) if footprint is not None else 0
+            _meter_backward(out, meter, f"the eager code after {graph_id}'s backward (step position {position})", slack)
         return variant.user_outputs(out, args)
 
 
@@ -794,7 +800,7 @@ def _on_backward(outputs: Any, callback: Callable[[], None]) -> None:
             return
 
 
-def _meter_backward(outputs: Any, meter: StepMeter, after: str) -> None:
+def _meter_backward(outputs: Any, meter: StepMeter, after: str, slack_bytes: int) -> None:
     """Bounds of the eager windows around this call's compiled backward: one closes as it starts
     (the gradients handed to it are its plan's), one opens when it ends; the first backward of
     the step also closes the step's measure when the whole backward pass has ended."""
@@ -811,7 +817,7 @@ def _meter_backward(outputs: Any, meter: StepMeter, after: str) -> None:
             meter.bound(Bound("close", BACKWARD_STARTS, handed_bytes=handed))
 
         grad_fn.register_prehook(starts)
-        grad_fn.register_hook(lambda *_: meter.bound(Bound("open", after)))
+        grad_fn.register_hook(lambda *_: meter.bound(Bound("open", after, slack_bytes=slack_bytes)))
         return
 
 
@@ -932,7 +938,8 @@ class Backend:
             if self._measure_next:
                 self._measure_next = False
                 meter = StepMeter(torch.device(step_device(args)), self.step_measured)
-                if meter.start():
+                if meter.start([a for a in args if isinstance(a, torch.Tensor) and not tp.is_fake_tensor(a)
+                                and not tp.is_distributed_tensor(a)]):
                     self.meter = meter
                 elif not self._unmeasured_warned:
                     self._unmeasured_warned = True
@@ -940,6 +947,15 @@ class Backend:
                                 "compiled regions (an eager loss, eager modules between compiled blocks) cannot be "
                                 "measured and is not in the plan; run a step without the profiler first")
         return self.meter if self.meter is not None and not self.meter.finished else None
+
+    def pause_measuring(self) -> None:
+        """memcompile compiles or re-plans from here: not the step's memory (resume_measuring)."""
+        if self.meter is not None and not self.meter.finished:
+            self.meter.bound(Bound("pause", ""))
+
+    def resume_measuring(self) -> None:
+        if self.meter is not None and not self.meter.finished:
+            self.meter.bound(Bound("resume", ""))
 
     def stop_measuring(self) -> None:
         if self.meter is not None and not self.meter.finished:
@@ -972,6 +988,14 @@ class Backend:
                  "; the next step is planned with them" if grew else "")
         over = measured.peak_bytes - self.options.budget_bytes
         if over <= 0:
+            return
+        if not (measured.outside_bytes or measured.boundary_bytes):
+            # Nothing outside the plans: a plan run over the budget knowingly (on_unplanned="warn",
+            # a fallback) or a prediction that missed; said, not raised.
+            log.warning("memcompile: step %d measured a peak of %s, %s over the budget of %s, with nothing outside "
+                        "the compiled regions: the plans it ran predicted %s", step, format_bytes(measured.peak_bytes),
+                        format_bytes(over), format_bytes(self.options.budget_bytes),
+                        format_bytes(self.predicted_step_peak() + self.options.reserve_bytes))
             return
         message = (
             f"memcompile: step {step} measured a peak of {format_bytes(measured.peak_bytes)} "
@@ -1112,6 +1136,7 @@ class Backend:
             self.errors.append(error)
             return _raising(error)
         self.reserve_library_workspace(example_inputs)
+        self.pause_measuring()  # a region compiled mid-step (resumed at its call)
         what, began = f"region {self.regions}", time.perf_counter()
         self.regions += 1
         self.round_to_allocator(example_inputs)
@@ -1124,6 +1149,8 @@ class Backend:
         except (InfeasibleBudgetError, PlanningFailedError) as error:
             # Raised from the compiled callable so the user catches our type, not Dynamo's
             # wrapper; every call raises, so the step never runs over budget.
+            if isinstance(error, InfeasibleBudgetError) and not self.measured_steps:
+                error = _before_any_step(error)
             self.errors.append(error)
             if not self.plan_only:  # max_batch's probes above the answer are expected not to fit
                 log.error("%s", error)
@@ -1180,6 +1207,17 @@ def _for_the_step_so_far(error: InfeasibleBudgetError, position: int) -> Infeasi
         "least peak, with what the earlier ones hold; regions called later in the step may need more.)",
         budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
         contributors=error.contributors, whole_step=False)
+
+
+def _before_any_step(error: InfeasibleBudgetError) -> InfeasibleBudgetError:
+    """An InfeasibleBudgetError raised before any step ran: its floor counts the compiled
+    graphs only, not yet what eager code holds outside them (measured once a step runs)."""
+    return InfeasibleBudgetError(
+        f"{error} (Memory that eager code holds outside the compiled regions, such as a loss computed on a "
+        "returned output, is not measured yet: no step has run. A step run at this floor measures it, and the "
+        "floor named then is the whole step's.)",
+        budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
+        contributors=error.contributors, whole_step=error.whole_step)
 
 
 def _tensors_in(arguments: dict, limit: int = 256):

@@ -23,9 +23,9 @@ Measured how: on the CPU, by the profiler's allocator events (`torch.profiler`, 
 with markers at the window bounds, in the step's own profile when the step runs inside
 `memcompile.measure_peak`, else in one memcompile starts for the step (not when another profiler
 runs: then nothing is measured, and a warning says so). In a profile of its own, what was live
-before the step's first compiled call is taken as what the plans count then (the CPU allocator
-does not say what is live; measure_peak is told): parameters of modules that run eagerly are
-then not seen, their gradients are. On CUDA, by the caching allocator's
+before the step's first compiled call is taken as what that call holds (its parameters, their
+gradients, its inputs: the CPU allocator does not say what is live; measure_peak is told), so
+parameters of modules that run eagerly are not seen; their gradients are. On CUDA, by the caching allocator's
 counters read at the bounds (`memory_allocated`, and `max_memory_allocated` without resetting
 it: where it did not grow in a window, the window's rise is bounded by the earlier maximum).
 """
@@ -50,11 +50,16 @@ BACKWARD_STARTS = "a compiled backward starts"  # the label of a "close" bound t
 class Bound:
     """One bound of the step's compiled calls and eager windows."""
 
-    kind: str  # "call": a compiled call starts; "open": a window opens; "close": a window closes
+    # "call": a compiled call starts; "open": a window opens; "close": a window closes; "pause" /
+    # "resume": memcompile itself works (compiles, re-plans): what it allocates is not the step's
+    kind: str
     label: str  # for messages: which region and phase
     planned_bytes: int = 0  # "call": what the plans count as held when it starts
     handed_bytes: int = 0  # "close" before a compiled backward: the gradients handed to it (its plan counts them)
     position: int = -1  # "open" after a compiled forward: its step position
+    # "open" after a compiled backward: how far below its plan's peak the region holds by then
+    # (its saved activations and temporaries are gone): room eager code takes without exceeding it
+    slack_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def step_memory(events: Sequence[tuple[int, int]], marks: Sequence[int], bounds:
     level = peak = live_at_start_bytes
     gap = carried = outside = 0
     where = ""
-    window: list | None = None  # [level at its start, its rise so far, label, position]
+    window: list | None = None  # [level at its start, its rise so far, label, position, slack]
     windows = 0
     boundary: tuple[int, int, str] = (0, -1, "")
 
@@ -101,26 +106,35 @@ def step_memory(events: Sequence[tuple[int, int]], marks: Sequence[int], bounds:
 
     def close(handed_bytes: int, starts_backward: bool) -> None:
         nonlocal window, carried, windows, boundary
-        start, rise, label, position = window
+        start, rise, label, position, slack = window
         windows += 1
         if starts_backward and position >= 0 and boundary[1] < 0:
             # the gradients handed to the backward are in the window's rise and in its plan
             boundary = (max(0, rise - handed_bytes), position, label)
             count(gap + carried, label)
         else:
-            count(gap + carried + rise, label)
+            count(gap + carried + max(0, rise - slack), label)
         carried += max(0, level - start - handed_bytes)
         count(gap + carried, f"left by {label}")
         window = None
 
+    paused_at: int | None = None
     for _time, is_mark, value in timeline:
         if not is_mark:
             level += value
             peak = max(peak, level)
-            if window is not None:
+            if window is not None and paused_at is None:
                 window[1] = max(window[1], level - window[0])
             continue
         bound = bounds[value]
+        if bound.kind == "pause":
+            paused_at = level if paused_at is None else paused_at
+            continue
+        if bound.kind == "resume":
+            if paused_at is not None and window is not None:
+                window[0] += level - paused_at  # what the pause left is not the window's
+            paused_at = None
+            continue
         if window is not None and bound.kind in ("call", "close"):
             close(bound.handed_bytes, bound.kind == "close" and bound.label == BACKWARD_STARTS)
         if bound.kind == "call":
@@ -128,7 +142,7 @@ def step_memory(events: Sequence[tuple[int, int]], marks: Sequence[int], bounds:
             count(gap, f"at the start of {bound.label}")
             carried = 0  # the gap measured here holds what earlier windows left
         elif bound.kind == "open":
-            window = [level, 0, bound.label, bound.position]
+            window = [level, 0, bound.label, bound.position, bound.slack_bytes]
     return StepMemory(peak, max(0, outside), where, windows, *boundary)
 
 
@@ -144,13 +158,24 @@ class StepMeter:
         self.finished = False
         self.backward_seen = False  # the step's backward pass has started (its end is then awaited)
         self.read = False  # the step's memory was read (on_measured called)
+        self._live_at_start: int | None = None
+        self._unwatch: Callable[[], None] | None = None
 
     @property
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def start(self) -> bool:
-        """Begin measuring (at the step's first compiled call); False where it cannot."""
+    def start(self, first_call_tensors: Sequence[torch.Tensor] = ()) -> bool:
+        """Begin measuring (at the step's first compiled call, `first_call_tensors` its tensor
+        arguments); False where it cannot."""
+        if not self._start(first_call_tensors):
+            return False
+        # Dynamo compiling a later region mid-step allocates (its state copies): not the step's
+        self._unwatch = tp.watch_dynamo_compiles(lambda: self.bound(Bound("pause", "")),
+                                                 lambda: self.bound(Bound("resume", "")))
+        return True
+
+    def _start(self, first_call_tensors: Sequence[torch.Tensor]) -> bool:
         if self.on_cuda:
             return True
         enclosing = _ENCLOSING.get()
@@ -159,6 +184,9 @@ class StepMeter:
             return True
         if tp.profiler_running():
             return False
+        # What the first call holds: its parameters, their gradients and its inputs.
+        self._live_at_start = unique_storage_bytes(
+            [t for t in first_call_tensors] + [t.grad for t in first_call_tensors if t.grad is not None])
         self._profile = tp.start_memory_profile()
         _RUNNING.append(self)
         return True
@@ -193,7 +221,7 @@ class StepMeter:
         tp.stop_memory_profile(profile)
         if self in _RUNNING:
             _RUNNING.remove(self)
-        self._finish(self._read(profile, None))
+        self._finish(self._read(profile, self._live_at_start))
 
     def _read(self, profile: object, live_at_start_bytes: int | None) -> StepMemory:
         marks = tp.profiler_mark_times(profile, MARK)
@@ -210,6 +238,7 @@ class StepMeter:
         backward ended but whose profile was not read yet is read now."""
         if self.bounds and self.bounds[-1].label == "the end of the backward":
             self.read_own_profile()
+        self._stop_watching()
         self.finished = True
         if self._profile is not None:
             profile, self._profile = self._profile, None
@@ -217,7 +246,13 @@ class StepMeter:
             if self in _RUNNING:
                 _RUNNING.remove(self)
 
+    def _stop_watching(self) -> None:
+        if self._unwatch is not None:
+            unwatch, self._unwatch = self._unwatch, None
+            unwatch()
+
     def _finish(self, measured: StepMemory) -> None:
+        self._stop_watching()
         self.finished = self.read = True
         self.on_measured(measured)
 
