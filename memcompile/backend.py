@@ -485,7 +485,10 @@ class _Region:
 
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  request: PlanRequest) -> _Variant:
-        options = dataclasses.replace(self.backend.options, boundary_bytes=self.boundary_bytes)
+        eager = self.backend.ledger.eager_bytes() if outside else 0
+        options = dataclasses.replace(self.backend.options, boundary_bytes=self.boundary_bytes, eager_outside_bytes=eager,
+                                      eager_where=self.boundary_where if self.boundary_bytes >= eager
+                                      else self.backend.ledger.eager_where())
         if outside:
             # What other regions hold while this one runs is, for this graph, held outside it; and
             # this compile (at a call, beside it) holds its scratch then. A step's only region, or
@@ -702,9 +705,11 @@ class _Region:
         backend.resume_measuring()
         if meter is not None and footprint is not None:
             # what the plans count as held when this call starts (the measured outside aside)
+            declared = backend.declared_reserve_bytes()
             planned = (ledger.outside_bytes(position) - ledger.eager_bytes() + footprint.params_bytes
-                       + footprint.inputs_bytes + held_grads + backend.options.reserve_bytes)
-            meter.bound(Bound("call", f"{graph_id}'s forward (step position {position})", planned_bytes=planned))
+                       + footprint.inputs_bytes + held_grads + declared)
+            meter.bound(Bound("call", f"{graph_id}'s forward (step position {position})", planned_bytes=planned,
+                              covered_bytes=declared))
         out = variant.fn(*args)
         _on_backward(out, backend.backward_ran)  # before user_outputs: returned logits' own path may never run
         if meter is not None:
@@ -947,6 +952,13 @@ class Backend:
                                 "compiled regions (an eager loss, eager modules between compiled blocks) cannot be "
                                 "measured and is not in the plan; run a step without the profiler first")
         return self.meter if self.meter is not None and not self.meter.finished else None
+
+    def declared_reserve_bytes(self) -> int:
+        """The reserve the user passed for memory outside the graphs (an engine's buckets and
+        shards): eager memory the step measures within it is covered (step_meter.Bound)."""
+        options = self.options
+        return max(0, options.reserve_bytes - options.optimizer_reserve_bytes - options.library_workspace_bytes
+                   - options.compile_scratch_bytes)
 
     def pause_measuring(self) -> None:
         """memcompile compiles or re-plans from here: not the step's memory (resume_measuring)."""

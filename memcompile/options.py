@@ -110,6 +110,10 @@ class Options:
     # Held by eager code between the forward's return and the backward's start (a loss computed
     # on a returned output), as measured (memcompile/step_meter.py): planned for at that moment.
     boundary_bytes: int = 0
+    # Part of reserve_bytes: what eager code was measured to hold beside the step's regions at
+    # other times (memcompile/ledger.py eager_bytes); where the larger of the two was seen.
+    eager_outside_bytes: int = 0
+    eager_where: str = ""
 
     @property
     def step_budget_bytes(self) -> int:
@@ -122,7 +126,8 @@ class Options:
         library, optimizer = self.library_workspace_bytes, self.optimizer_reserve_bytes
         parts = ([f"cuBLAS workspaces {library}"] if library else []) + (
             [f"optimizer state {optimizer}"] if optimizer else []) + (
-            [f"compile-time copies {self.compile_scratch_bytes}"] if self.compile_scratch_bytes else [])
+            [f"compile-time copies {self.compile_scratch_bytes}"] if self.compile_scratch_bytes else []) + (
+            [f"eager code outside the regions {self.eager_outside_bytes}"] if self.eager_outside_bytes else [])
         return f", reserve {self.reserve_bytes}" + (f" of which {' and '.join(parts)}" if parts else "")
 
     def describe(self) -> str:

@@ -77,6 +77,12 @@ class Plan:
     # Read back from the plan store (memcompile/plan_store.py): planned by an earlier launch for
     # this exact graph, options and machine, so not searched or checked again.
     from_plan_store: bool = False
+    # Measured in an earlier step (memcompile/step_meter.py): what eager code holds as this
+    # graph's backward starts (a loss computed on its output), planned for at that step, and the
+    # part of reserve_bytes eager code holds beside the step at other times; where it was seen.
+    eager_at_backward_start_bytes: int = 0
+    eager_outside_bytes: int = 0
+    eager_where: str = ""
 
     @property
     def total_added_time_s(self) -> float:
@@ -117,6 +123,10 @@ class Plan:
             f"  solver {self.solver_status} in {self.solve_s:.2f} s, gap {self.gap:.1%}"
             + (", compiled under Inductor's own rules" if self.stock_inductor_rules else ""),
         ]
+        if self.eager_at_backward_start_bytes or self.eager_outside_bytes:
+            lines.append(f"  eager code outside the graph, measured: {format_bytes(self.eager_at_backward_start_bytes)} "
+                         f"as its backward starts, {format_bytes(self.eager_outside_bytes)} beside it at other times"
+                         + (f" (largest: {self.eager_where})" if self.eager_where else ""))
         if self.size_bounds:
             lines.append("  covers sizes " + ", ".join(f"{name} <= {size}" for name, size in self.size_bounds))
         return "\n".join(lines)

@@ -281,7 +281,8 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
 _ADDED_LATER = {"library_workspace_bytes": 0, "compile_scratch_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, "size_bounds": [],
                 "stock_inductor_rules": False, "budget_source": "", "optimizer_reserve_bytes": 0,
                 "optimizer_source": "", "check_s": 0.0, "live_categories_after": [], "peak_tensors": [],
-                "backward_from_step": -1, "from_plan_store": False}
+                "backward_from_step": -1, "from_plan_store": False, "eager_at_backward_start_bytes": 0,
+                "eager_outside_bytes": 0, "eager_where": ""}
 
 
 def plan_from_json(data: dict[str, Any] | str) -> Plan:
@@ -322,6 +323,9 @@ def plan_from_json(data: dict[str, Any] | str) -> Plan:
             peak_tensors=tuple((str(n), str(c), int(b)) for n, c, b in data["peak_tensors"]),
             backward_from_step=int(data["backward_from_step"]),
             from_plan_store=bool(data["from_plan_store"]),
+            eager_at_backward_start_bytes=int(data["eager_at_backward_start_bytes"]),
+            eager_outside_bytes=int(data["eager_outside_bytes"]),
+            eager_where=str(data["eager_where"]),
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a memcompile plan: {error}") from error

@@ -483,6 +483,9 @@ def _search(
         live_categories_after=after.category_series(),
         peak_tensors=after.peak_tensors,
         backward_from_step=after.backward_start(),
+        eager_at_backward_start_bytes=options.boundary_bytes,
+        eager_outside_bytes=options.eager_outside_bytes,
+        eager_where=options.eager_where,
     )
     log.debug("%s", plan.summary())
     return chosen.forward, chosen.backward, plan
@@ -1155,5 +1158,7 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
         peak_breakdown=breakdown, decisions=(), added_time_s=0.0,
         solver_status=f"stock_fallback ({type(error).__name__})", solve_s=0.0, gap=0.0,
         live_bytes_before=steps, live_bytes_after=steps,
+        eager_at_backward_start_bytes=options.boundary_bytes, eager_outside_bytes=options.eager_outside_bytes,
+        eager_where=options.eager_where,
     )
     return fw, bw, plan

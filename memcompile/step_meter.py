@@ -55,6 +55,10 @@ class Bound:
     kind: str
     label: str  # for messages: which region and phase
     planned_bytes: int = 0  # "call": what the plans count as held when it starts
+    # "call": of planned_bytes, the reserve the user declared for memory outside the graphs (an
+    # engine's buckets, shards): eager memory up to it is covered, no other room below the plans
+    # is (on the CPU the measure's start need not hold everything the plans count)
+    covered_bytes: int = 0
     handed_bytes: int = 0  # "close" before a compiled backward: the gradients handed to it (its plan counts them)
     position: int = -1  # "open" after a compiled forward: its step position
     # "open" after a compiled backward: how far below its plan's peak the region holds by then
@@ -93,7 +97,9 @@ def step_memory(events: Sequence[tuple[int, int]], marks: Sequence[int], bounds:
     events = [(t, delta) for t, delta in events if not marks or t <= marks[-1]]
     timeline = sorted([(t, 1, i) for i, t in enumerate(marks)] + [(t, 0, delta) for t, delta in events])
     level = peak = live_at_start_bytes
-    gap = carried = outside = 0
+    # memory no plan counts, at the latest call start (negative: room left in what they count)
+    gap: int | None = None
+    carried = outside = 0
     where = ""
     window: list | None = None  # [level at its start, its rise so far, label, position, slack]
     windows = 0
@@ -108,14 +114,15 @@ def step_memory(events: Sequence[tuple[int, int]], marks: Sequence[int], bounds:
         nonlocal window, carried, windows, boundary
         start, rise, label, position, slack = window
         windows += 1
+        gap_now = gap or 0
         if starts_backward and position >= 0 and boundary[1] < 0:
             # the gradients handed to the backward are in the window's rise and in its plan
-            boundary = (max(0, rise - handed_bytes), position, label)
-            count(gap + carried, label)
+            boundary = (max(0, rise - handed_bytes + min(0, gap_now + carried)), position, label)
+            count(gap_now + carried, label)
         else:
-            count(gap + carried + max(0, rise - slack), label)
+            count(gap_now + carried + max(0, rise - slack), label)
         carried += max(0, level - start - handed_bytes)
-        count(gap + carried, f"left by {label}")
+        count(gap_now + carried, f"left by {label}")
         window = None
 
     paused_at: int | None = None
@@ -138,7 +145,8 @@ def step_memory(events: Sequence[tuple[int, int]], marks: Sequence[int], bounds:
         if window is not None and bound.kind in ("call", "close"):
             close(bound.handed_bytes, bound.kind == "close" and bound.label == BACKWARD_STARTS)
         if bound.kind == "call":
-            gap = max(gap, level - bound.planned_bytes)
+            here = max(level - bound.planned_bytes, -bound.covered_bytes)
+            gap = here if gap is None else max(gap, here)
             count(gap, f"at the start of {bound.label}")
             carried = 0  # the gap measured here holds what earlier windows left
         elif bound.kind == "open":
