@@ -257,6 +257,15 @@ class _Region:
         cautious = cautious or backend.cautious_now()
         self.followed_in_first_step = cautious  # more of the first step may follow it
         kind = "least" if cautious else "outside"
+        if not cautious and not backend.measured_steps:
+            # Until a step is measured, a step's one region holds room as its backward starts
+            # for the gradient of what it returns: a loss computed on returned logits makes at
+            # least that (the log-softmax it saves), beside the gradient its backward counts.
+            returned = _returned_gradient_bytes(self.gm)
+            if returned:
+                self.boundary_bytes = returned
+                self.boundary_where = "not measured yet: the size of the outputs it returns that need a gradient"
+                backend.defaulted_boundaries.append(self)
 
         def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
             variant = self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
@@ -863,6 +872,7 @@ class Backend:
         # in its first step, and again in a step planned for a larger figure than the last.
         self.meter: StepMeter | None = None
         self.measured_steps: list[StepMemory] = []
+        self.defaulted_boundaries: list[_Region] = []  # regions holding the default until a step is measured
         self._measure_next = True
         self._unmeasured_warned = False
         with _lock:
@@ -987,10 +997,14 @@ class Backend:
             self.ledger.measured_outside(measured.outside_bytes, measured.where)
         calls = self.ledger.calls_before(measured.boundary_position + 1)
         region = calls[measured.boundary_position][0] if 0 <= measured.boundary_position < len(calls) else None
-        if isinstance(region, _Region) and measured.boundary_bytes > region.boundary_bytes:
+        defaulted, self.defaulted_boundaries = self.defaulted_boundaries, []
+        for other in defaulted:  # the measure replaces the default, up or down
+            if other is not region:
+                other.hold_at_backward_start(0, "", 0)
+        if isinstance(region, _Region) and (measured.boundary_bytes > region.boundary_bytes or region in defaulted):
+            grew = grew or measured.boundary_bytes > region.boundary_bytes
             region.hold_at_backward_start(measured.boundary_bytes, measured.boundary_where,
                                           self.ledger.outside_bytes(measured.boundary_position))
-            grew = True
         self._measure_next = grew and len(self.measured_steps) < _MEASURED_STEPS_MAX
         log.debug("memcompile: step %d measured a peak of %s (budget %s); eager code outside the compiled regions held "
                  "up to %s as the backward started (%s) and %s beyond the plans at other times (%s)%s", step,
@@ -1219,6 +1233,28 @@ def _for_the_step_so_far(error: InfeasibleBudgetError, position: int) -> Infeasi
         "least peak, with what the earlier ones hold; regions called later in the step may need more.)",
         budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
         contributors=error.contributors, whole_step=False)
+
+
+def _returned_gradient_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the graph's floating outputs of more than one element that require a gradient
+    (0 where a size is symbolic)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    total = 0
+    for node in _output_nodes(output):
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or not value.requires_grad or not value.is_floating_point():
+            continue
+        numel = value.numel()
+        if isinstance(numel, torch.SymInt) or numel <= 1:
+            continue
+        total += numel * value.element_size()
+    return total
+
+
+def _output_nodes(output: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(output.args, found.append)
+    return found
 
 
 def _before_any_step(error: InfeasibleBudgetError) -> InfeasibleBudgetError:
