@@ -980,11 +980,13 @@ class Backend:
             self.meter.bound(Bound("resume", ""))
 
     def stop_measuring(self) -> None:
-        if self.meter is not None and not self.meter.finished:
-            self.meter.abandon()
-            if not self.meter.read:
-                self._measure_next = True  # measure the next step instead
-        self.meter = None
+        meter, self.meter = self.meter, None
+        if meter is None:
+            return
+        if not meter.finished:
+            meter.abandon()
+        if not meter.read:
+            self._measure_next = True  # measure the next step instead
 
     def step_measured(self, measured: StepMemory) -> None:
         """A measured step's memory: what it held outside the plans is held beside every region
@@ -1236,8 +1238,9 @@ def _for_the_step_so_far(error: InfeasibleBudgetError, position: int) -> Infeasi
 
 
 def _returned_gradient_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the graph's floating outputs of more than one element that require a gradient
-    (0 where a size is symbolic)."""
+    """Bytes of the graph's floating outputs of more than one element that require a gradient,
+    where it returns no scalar that does (a loss computed inside: the outputs are only held);
+    0 where a size is symbolic."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     total = 0
     for node in _output_nodes(output):
@@ -1245,8 +1248,10 @@ def _returned_gradient_bytes(gm: fx.GraphModule) -> int:
         if not isinstance(value, torch.Tensor) or not value.requires_grad or not value.is_floating_point():
             continue
         numel = value.numel()
-        if isinstance(numel, torch.SymInt) or numel <= 1:
-            continue
+        if isinstance(numel, torch.SymInt):
+            return 0
+        if numel <= 1:
+            return 0  # the loss is computed inside
         total += numel * value.element_size()
     return total
 

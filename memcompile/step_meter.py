@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -44,6 +45,9 @@ from memcompile import _torch_private as tp
 
 MARK = "memcompile::step_meter"  # the profiler marker at each bound (its payload is kept here)
 BACKWARD_STARTS = "a compiled backward starts"  # the label of a "close" bound there
+# A measured step given up unread past these (no backward came): its profiler must not run on.
+MAX_BOUNDS = 20_000
+MAX_SECONDS = 900.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class StepMeter:
         self.read = False  # the step's memory was read (on_measured called)
         self._live_at_start: int | None = None
         self._unwatch: Callable[[], None] | None = None
+        self._began = time.monotonic()
 
     @property
     def on_cuda(self) -> bool:
@@ -201,6 +206,11 @@ class StepMeter:
 
     def bound(self, bound: Bound) -> None:
         if self.finished:
+            return
+        if len(self.bounds) >= MAX_BOUNDS or time.monotonic() - self._began > MAX_SECONDS:
+            # a "step" that never reaches its backward (forward calls under grad mode alone)
+            # would keep a profiler running: give it up, unread
+            self.abandon()
             return
         self.bounds.append(bound)
         if self.on_cuda:
@@ -315,6 +325,11 @@ _RUNNING: list[StepMeter] = []
 
 
 def finish_pending_meters() -> None:
-    """Stop and read the profiles memcompile's meters still hold (before another profiler starts)."""
+    """Stop the profiles memcompile's meters still hold, before another profiler starts: one
+    whose step's backward has ended is read; one whose step never reached its backward (a
+    forward alone, or an abandoned step) is dropped unread."""
     for meter in list(_RUNNING):
-        meter.read_own_profile()
+        if meter.bounds and meter.bounds[-1].label == "the end of the backward":
+            meter.read_own_profile()
+        else:
+            meter.abandon()
