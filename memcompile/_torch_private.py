@@ -517,22 +517,22 @@ def profiler_mark_times(prof: Any, name: str) -> list[int]:
     return sorted(times)
 
 
-def after_backward_returns(callback: Callable[[], None]) -> None:
+def after_backward_returns(callback: Callable[[], None]) -> bool:
     """From inside a backward pass on this thread: run `callback` once the engine's call has
     returned to Python (the thread's state autograd saved is then restored), through a profile
-    function chained to any already set (sys.setprofile, this thread, removed after)."""
+    function (sys.setprofile, this thread, removed after). False, and nothing done, where a
+    profile function is already set (cProfile, a debugger's): it is left alone."""
     import sys
 
     from torch.autograd.graph import _engine_run_backward
 
-    previous = sys.getprofile()
+    if sys.getprofile() is not None:
+        return False
     code = _engine_run_backward.__code__
     nested = 0  # backward passes started inside this one (a reentrant checkpoint)
 
     def watch(frame, event, arg):
         nonlocal nested
-        if previous is not None:
-            previous(frame, event, arg)
         if frame.f_code is not code:
             return
         if event == "call":
@@ -540,10 +540,11 @@ def after_backward_returns(callback: Callable[[], None]) -> None:
         elif event == "return" and nested:
             nested -= 1
         elif event == "return":
-            sys.setprofile(previous)
+            sys.setprofile(None)
             callback()
 
     sys.setprofile(watch)
+    return True
 
 
 def watch_dynamo_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:

@@ -693,6 +693,7 @@ class _Region:
                                      if held and isinstance(a, torch.Tensor))
         try:
             if position == 0:
+                backend.stop_measuring()  # a measured step read late (its figures apply from here)
                 backend.settle()
             variant, outside = self._variant_for(position, planned_sizes != self.sizes)
             variant, outside = self._fit_to_position(position, variant, outside, held_grads)

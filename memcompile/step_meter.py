@@ -169,6 +169,8 @@ class StepMeter:
         self._profile: object | None = None  # the profiler this meter started (CPU)
         self.finished = False
         self.backward_seen = False  # the step's backward pass has started (its end is then awaited)
+        self.backward_done = False  # ... and has ended: the step's bounds are complete
+        self._end_index = -1  # the index of that bound
         self.read = False  # the step's memory was read (on_measured called)
         self._live_at_start: int | None = None
         self._unwatch: Callable[[], None] | None = None
@@ -224,11 +226,14 @@ class StepMeter:
         if self.finished:
             return
         self.bound(Bound("close", "the end of the backward"))
+        self.backward_done = True
+        self._end_index = len(self.bounds) - 1
         if self.on_cuda:
             self._finish(_from_counters(self.bounds, self._counters))
         elif self._profile is not None:
             # A profiler stopped inside the backward is enabled again when it returns (autograd
-            # restores the thread's state): stop it once the backward call has returned.
+            # restores the thread's state): stop it once the backward call has returned (else,
+            # under another profile function, at the next compiled call or measure_peak).
             tp.after_backward_returns(self.read_own_profile)
 
     def read_own_profile(self) -> None:
@@ -243,18 +248,20 @@ class StepMeter:
 
     def _read(self, profile: object, live_at_start_bytes: int | None) -> StepMemory:
         marks = tp.profiler_mark_times(profile, MARK)
-        return step_memory(tp.profiler_allocation_deltas(profile), marks[:len(self.bounds)],
-                           self.bounds[:len(marks)], live_at_start_bytes)
+        # the step ends with its backward: bounds after it (the next step's) are not its own
+        count = min(len(marks), self._end_index + 1 if self._end_index >= 0 else len(self.bounds))
+        return step_memory(tp.profiler_allocation_deltas(profile), marks[:count], self.bounds[:count],
+                           live_at_start_bytes)
 
     def delivered(self, profile: object, live_at_start_bytes: int) -> None:
         """The enclosing measure_peak's profile, once it has stopped."""
-        if not self.finished and self.bounds and self.bounds[-1].label == "the end of the backward":
+        if not self.finished and self.backward_done:
             self._finish(self._read(profile, live_at_start_bytes))
 
     def abandon(self) -> None:
         """The step stopped before its backward (an error): nothing is read. A step whose
         backward ended but whose profile was not read yet is read now."""
-        if self.bounds and self.bounds[-1].label == "the end of the backward":
+        if self.backward_done:
             self.read_own_profile()
         self._stop_watching()
         self.finished = True
@@ -329,7 +336,7 @@ def finish_pending_meters() -> None:
     whose step's backward has ended is read; one whose step never reached its backward (a
     forward alone, or an abandoned step) is dropped unread."""
     for meter in list(_RUNNING):
-        if meter.bounds and meter.bounds[-1].label == "the end of the backward":
+        if meter.backward_done:
             meter.read_own_profile()
         else:
             meter.abandon()

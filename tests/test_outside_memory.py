@@ -215,6 +215,30 @@ def test_the_meter_stops_its_own_profiler_when_the_backward_returns():
         training_step(compiled, tokens, labels)  # a user's profiler around a later step
 
 
+def test_under_another_profile_function_the_step_is_read_at_the_next_call():
+    """cProfile or a debugger holds sys.setprofile: the meter leaves it alone and reads the step
+    (stopping its profiler) at the next compiled call, from what the step's backward ended with."""
+    from memcompile import _torch_private as tp
+
+    tokens, labels = _data(SMALL)
+    model = build(SMALL)
+    backend = memcompile.budget(10**10, codegen="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    calls = []
+    sys.setprofile(lambda *_: calls.append(1))
+    try:
+        training_step(compiled, tokens, labels)
+        assert not backend.measured_steps  # still pending: read at the next call
+        training_step(compiled, tokens, labels)
+    finally:
+        sys.setprofile(None)
+    assert calls, "the other profile function was replaced"
+    assert len(backend.measured_steps) >= 1 and backend.measured_steps[0].boundary_bytes > 0
+    compiled(tokens)  # a forward alone: any pending profile is dropped or read, never left running for good
+    memcompile.measure_peak(lambda: None, live_at_start=[])
+    assert not tp.profiler_running()
+
+
 @pytest.mark.inductor
 def test_a_loss_outside_the_model_under_inductor():
     """At eager training's own peak: the first step within or StepOverrunError (measured), every
