@@ -5,6 +5,7 @@ raises StepOverrunError; never a silent overrun."""
 
 from __future__ import annotations
 
+import cProfile
 import sys
 from pathlib import Path
 
@@ -224,15 +225,15 @@ def test_under_another_profile_function_the_step_is_read_at_the_next_call():
     model = build(SMALL)
     backend = memcompile.budget(10**10, codegen="aot_eager")
     compiled = torch.compile(model, backend=backend)
-    calls = []
-    sys.setprofile(lambda *_: calls.append(1))
+    profiler = cProfile.Profile()
+    profiler.enable()
     try:
         training_step(compiled, tokens, labels)
+        assert sys.getprofile() is not None, "cProfile's profile function was replaced"
         assert not backend.measured_steps  # still pending: read at the next call
         training_step(compiled, tokens, labels)
     finally:
-        sys.setprofile(None)
-    assert calls, "the other profile function was replaced"
+        profiler.disable()
     assert len(backend.measured_steps) >= 1 and backend.measured_steps[0].boundary_bytes > 0
     compiled(tokens)  # a forward alone: any pending profile is dropped or read, never left running for good
     memcompile.measure_peak(lambda: None, live_at_start=[])
