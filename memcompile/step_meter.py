@@ -186,9 +186,17 @@ class StepMeter:
         if not self._start(first_call_tensors):
             return False
         # Dynamo compiling a later region mid-step allocates (its state copies): not the step's
-        self._unwatch = tp.watch_dynamo_compiles(lambda: self.bound(Bound("pause", "")),
-                                                 lambda: self.bound(Bound("resume", "")))
+        self._unwatch = tp.watch_dynamo_compiles(self._compile_starts, lambda: self.bound(Bound("resume", "")))
         return True
+
+    def _compile_starts(self) -> None:
+        """Dynamo compiles mid-step. Under a profile of this meter's own the step is given up
+        unread (its backend measures the next one): compiling under a running profiler is not
+        safe (Dynamo's tracer crashed in GC under one); elsewhere the compile is paused out."""
+        if self._profile is not None:
+            self.abandon()
+        else:
+            self.bound(Bound("pause", ""))
 
     def _start(self, first_call_tensors: Sequence[torch.Tensor]) -> bool:
         if self.on_cuda:
