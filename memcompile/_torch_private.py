@@ -499,6 +499,18 @@ def stop_memory_profile(profile: Any) -> None:
     profile.__exit__(None, None, None)
 
 
+def release_profile(profile: Any) -> None:
+    """Free a stopped profile's recorded results now. A torch.profiler.profile holds a reference
+    cycle, so they are otherwise freed whenever the garbage collector reaches it: a collection
+    freeing them inside a later compile crashed the process (in the results' destructor)."""
+    inner = getattr(profile, "profiler", None)
+    if inner is not None:
+        inner.kineto_results = None
+        inner._function_events = None
+        inner._old_function_events = None
+        profile.profiler = None
+
+
 def profiler_mark(name: str) -> None:
     """An instant marker named `name` in the running profile (nothing where none runs)."""
     with torch.profiler.record_function(name):
@@ -1041,6 +1053,22 @@ def watch_eager_frames(watcher: Callable[[Any, dict, EagerFrame, dict], None]) -
     if watcher in _EAGER_FRAME_WATCHERS:
         return
     _EAGER_FRAME_WATCHERS.append(watcher)
+    _watch_frame_conversions()
+
+
+# hook() -> None, called before Dynamo converts any frame
+_BEFORE_FRAME_CONVERSION: list[Callable[[], None]] = []
+
+
+def before_each_frame_conversion(hook: Callable[[], None]) -> None:
+    """Call `hook()` before Dynamo converts (traces, compiles) any frame in this process. Unlike
+    Dynamo's compile callbacks, torch._dynamo.reset() does not remove it."""
+    if hook not in _BEFORE_FRAME_CONVERSION:
+        _BEFORE_FRAME_CONVERSION.append(hook)
+    _watch_frame_conversions()
+
+
+def _watch_frame_conversions() -> None:
     from torch._dynamo import convert_frame
 
     convert = convert_frame.ConvertFrameAssert
@@ -1050,6 +1078,8 @@ def watch_eager_frames(watcher: Callable[[Any, dict, EagerFrame, dict], None]) -
 
     @functools.wraps(original)
     def watched(self, frame, *args, **kwargs):
+        for hook in list(_BEFORE_FRAME_CONVERSION):
+            hook()
         arguments = dict(frame.f_locals)
         token = _FRAME_ARGUMENTS.set(arguments)
         try:

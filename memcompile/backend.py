@@ -778,6 +778,9 @@ _REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", find_loss_hea
 # Steps measured at most (memcompile/step_meter.py): the first, and those planned for a larger
 # figure of memory outside the regions than the step before.
 _MEASURED_STEPS_MAX = 3
+# Steps in a row that ended unread (forward calls alone under grad mode, a compile mid-step)
+# after which measuring stops: on the CPU each try runs the step under a profiler.
+_UNREAD_STEPS_MAX = 8
 
 # Options between a region's keep-all and least-peak plans offered to the step plan.
 _OPTIONS_BETWEEN = 3
@@ -833,6 +836,7 @@ def _meter_backward(outputs: Any, meter: StepMeter, after: str, slack_bytes: int
 
         grad_fn.register_prehook(starts)
         grad_fn.register_hook(lambda *_: meter.bound(Bound("open", after, slack_bytes=slack_bytes)))
+        meter.note_graph(grad_fn)
         return
 
 
@@ -876,6 +880,7 @@ class Backend:
         self.defaulted_boundaries: list[_Region] = []  # regions holding the default until a step is measured
         self._measure_next = True
         self._unmeasured_warned = False
+        self._unread_steps = 0
         with _lock:
             self.id = next(_ids)
             _BACKENDS[self.id] = self
@@ -949,8 +954,9 @@ class Backend:
 
     def meter_for(self, position: int, args: Sequence[Any]) -> StepMeter | None:
         """The meter of this step, started at its first call when the step is to be measured."""
-        if position == 0:
-            self.stop_measuring()  # a step that ended without a backward is not read
+        if position == 0 or (self.meter is not None and self.meter.graphs_gone()):
+            # a step that ended without a backward (its graphs freed: forward calls alone) is not read
+            self.stop_measuring()
             if self._measure_next:
                 self._measure_next = False
                 meter = StepMeter(torch.device(step_device(args)), self.step_measured)
@@ -986,14 +992,23 @@ class Backend:
             return
         if not meter.finished:
             meter.abandon()
-        if not meter.read:
+        if meter.read:
+            return
+        self._unread_steps += 1
+        if self._unread_steps < _UNREAD_STEPS_MAX:
             self._measure_next = True  # measure the next step instead
+        elif not self.measured_steps:
+            log.warning("memcompile: %d steps in a row ended before their backward was measured (forward calls "
+                        "alone under grad mode?); the memory the step holds outside its compiled regions is no "
+                        "longer measured and is not in the plan: reserve for it (memcompile.budget(reserve=...))",
+                        self._unread_steps)
 
     def step_measured(self, measured: StepMemory) -> None:
         """A measured step's memory: what it held outside the plans is held beside every region
         from the next call on (a larger figure than planned: that step is measured too). A step
         that ran over the budget raises StepOverrunError (on_first_step_overrun="warn": warns)."""
         self.measured_steps.append(measured)
+        self._unread_steps = 0
         step = self.ledger.steps_completed() + 1
         grew = measured.outside_bytes > self.ledger.eager_bytes()
         if grew:

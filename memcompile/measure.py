@@ -96,4 +96,5 @@ def measure_peak(
     for _time_ns, delta in tp.profiler_allocation_deltas(prof):
         running += delta
         rise = max(rise, running)
+    tp.release_profile(prof)
     return PeakMeasurement(start + rise, start, rise, device, result)

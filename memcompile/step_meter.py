@@ -36,6 +36,7 @@ import contextlib
 import contextvars
 import gc
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -175,6 +176,7 @@ class StepMeter:
         self._live_at_start: int | None = None
         self._unwatch: Callable[[], None] | None = None
         self._began = time.monotonic()
+        self._graphs: list[weakref.ref] = []  # the autograd graphs of the step's calls (see graphs_gone)
 
     @property
     def on_cuda(self) -> bool:
@@ -210,9 +212,25 @@ class StepMeter:
         # What the first call holds: its parameters, their gradients and its inputs.
         self._live_at_start = unique_storage_bytes(
             [t for t in first_call_tensors] + [t.grad for t in first_call_tensors if t.grad is not None])
+        # Nothing compiles under this profile (Dynamo's tracer crashed in GC under a running
+        # profiler): a frame conversion, even after torch._dynamo.reset(), stops it first.
+        tp.before_each_frame_conversion(finish_pending_meters)
         self._profile = tp.start_memory_profile()
         _RUNNING.append(self)
         return True
+
+    def note_graph(self, grad_fn: object) -> None:
+        """A call's output's backward node (a compiled function's: it lives as long as the graph)."""
+        try:
+            self._graphs.append(weakref.ref(grad_fn))
+        except TypeError:  # a node of torch's own (a view of the output): no weak reference
+            pass
+
+    def graphs_gone(self) -> bool:
+        """Every autograd graph the step's calls built was freed before any backward ran: the
+        step ended with its forward calls (evaluation under grad mode)."""
+        return (not self.backward_seen and not self.finished and bool(self._graphs)
+                and all(ref() is None for ref in self._graphs))
 
     def bound(self, bound: Bound) -> None:
         if self.finished:
@@ -252,7 +270,9 @@ class StepMeter:
         tp.stop_memory_profile(profile)
         if self in _RUNNING:
             _RUNNING.remove(self)
-        self._finish(self._read(profile, self._live_at_start))
+        measured = self._read(profile, self._live_at_start)
+        tp.release_profile(profile)
+        self._finish(measured)
 
     def _read(self, profile: object, live_at_start_bytes: int | None) -> StepMemory:
         marks = tp.profiler_mark_times(profile, MARK)
@@ -276,6 +296,7 @@ class StepMeter:
         if self._profile is not None:
             profile, self._profile = self._profile, None
             tp.stop_memory_profile(profile)
+            tp.release_profile(profile)
             if self in _RUNNING:
                 _RUNNING.remove(self)
 

@@ -248,6 +248,44 @@ def test_under_another_profile_function_the_step_is_read_at_the_next_call():
     assert not tp.profiler_running()
 
 
+def test_nothing_compiles_under_the_meters_profiler_even_after_a_dynamo_reset():
+    """A forward alone under grad mode leaves its step's profile pending; torch._dynamo.reset()
+    drops Dynamo's compile callbacks, yet the next compile of any frame (another backend's) still
+    starts with that profiler stopped (compiling under one crashed Dynamo's tracer in GC)."""
+    from memcompile import _torch_private as tp
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    compiled = torch.compile(model, backend=memcompile.budget(10**9, codegen="aot_eager"))
+    compiled(torch.randn(4, 32))  # no backward: the step stays open
+    assert tp.profiler_running(), "the first step is measured under memcompile's own profile"
+    torch._dynamo.reset()
+    seen = []
+
+    def other_backend(gm, _example_inputs):
+        seen.append(tp.profiler_running())
+        return gm.forward
+
+    torch.compile(lambda x: x.sin() + 1, backend=other_backend)(torch.randn(3))
+    assert seen == [False]
+
+
+def test_forward_calls_alone_stop_being_measured_after_a_few_steps():
+    """Each step that ends unread (a forward alone) is measured again at the next one, a bounded
+    number of times: an evaluation loop under grad mode does not run under a profiler for good."""
+    from memcompile import _torch_private as tp
+    from memcompile.backend import _UNREAD_STEPS_MAX
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    backend = memcompile.budget(10**9, codegen="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    running = []
+    for _ in range(_UNREAD_STEPS_MAX + 3):
+        compiled(torch.randn(4, 32))
+        running.append(tp.profiler_running())
+    assert running[:_UNREAD_STEPS_MAX] == [True] * _UNREAD_STEPS_MAX and not any(running[_UNREAD_STEPS_MAX:]), running
+    assert not backend.measured_steps
+
+
 @pytest.mark.inductor
 def test_a_loss_outside_the_model_under_inductor():
     """At eager training's own peak: the first step within or StepOverrunError (measured), every
