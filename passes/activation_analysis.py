@@ -30,7 +30,7 @@ from memcompile.passes.graph_facts import (
     is_random_op,
     tensor_nbytes,
 )
-from memcompile.passes.liveness import OP_SCRATCH_BYTES
+from memcompile.passes.liveness import op_scratch_bytes
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for
 from memcompile.solver.activations import ActivationProblem, StoreChoice
 
@@ -258,14 +258,14 @@ def analyze_joint_graph(
                 allocated_by_node[start] += nbytes
 
     static_bytes = sum(tensor_nbytes(p.meta.get("val")) for p in primals if root[p] is p)
-    add(static_bytes + OP_SCRATCH_BYTES, 0, last)
+    add(static_bytes, 0, last)
     for n in nodes:
         if n.op == "placeholder" and tp.is_tangent(n):
             add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))
     for n in forward_nodes + backward_nodes:
         unclaimed = n in fw_set and n not in required_fw  # runs in forward only if kept
         if not unclaimed and n not in inlined:  # (then its transients are in the liveness check, not here)
-            add(transient_bytes(n, inductor=fuse), step[n], step[n], by_node=True)
+            add(transient_bytes(n, inductor=fuse) + op_scratch_bytes(n), step[n], step[n], by_node=True)
         if root[n] is not n or n in inlined:
             continue  # aliases own no storage; inlined bodies own none either
         if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):

@@ -46,6 +46,30 @@ from memcompile.passes.stored_forms import HOST_PREFIX
 # allocate nothing themselves) except matrix multiplies that read their operands in place.
 OP_SCRATCH_BYTES = 4096
 
+
+def op_scratch_bytes(node: fx.Node) -> int:
+    """The per-op margin (OP_SCRATCH_BYTES) an op run eagerly is given, none where its memory is
+    known exactly: views and tuple members (no allocation), matrix multiplies and attention that
+    kernel_workspace_bytes counts exactly, pointwise ops whose inputs share their output's dtype
+    (no promotion copy) and which take no Python number (wrapped into a tensor), such reductions
+    on the CPU. At a budget equal to PyTorch's partition's measured peak, a margin
+    counted at such an op refused the plan (PyTorch's own activation-budget cases: by 4 KiB)."""
+    if node.op != "call_function" or is_aliasing_op(node) or is_getitem(node) or counted_exactly(node):
+        return 0
+    out = node.meta.get("val")
+    inputs = [a.meta.get("val") for a in node.all_input_nodes]
+    same_dtype = isinstance(out, torch.Tensor) and all(t.dtype == out.dtype for t in inputs if isinstance(t, torch.Tensor))
+    if any(isinstance(a, (int, float, complex)) and not isinstance(a, bool) for a in node.args):
+        return OP_SCRATCH_BYTES  # a Python number is wrapped into a tensor of its own by the op
+    if same_dtype and is_pointwise(node):
+        return 0
+    # CPU reductions accumulate in per-thread buffers of their own (not the tensor allocator's);
+    # CUDA's may take a staging buffer from the caching allocator: the margin stays there.
+    if same_dtype and out.device.type == "cpu" and torch.Tag.reduction in getattr(node.target, "tags", ()):
+        return 0
+    return OP_SCRATCH_BYTES
+
+
 # Categories a storage is counted under, for the plan's breakdown.
 STATIC = "parameters_and_inputs"
 SAVED = "saved_activations"
@@ -200,7 +224,7 @@ def analyze_liveness(
         # An inlined body runs inside its consumer's kernel: no kernel, no transients of its own.
         # With fusion modelled the graph is Inductor's (its layout of convolutions, too).
         transient = 0 if node in fused.inlined else transient_bytes(node, fused.enabled)
-        scratch = OP_SCRATCH_BYTES + rounding.allocated_bytes(transient)
+        scratch = op_scratch_bytes(node) + rounding.allocated_bytes(transient)
         _record_step(steps, peak, live, phase, node.name, scratch)
 
     # ---- forward

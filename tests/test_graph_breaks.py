@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 import memcompile
 from memcompile.cost_models.device import compile_scratch_bytes
@@ -116,7 +116,7 @@ def _check_step(model, x, budget: int, regions: int, tol, codegen: str = "aot_ea
     assert len(slots) == regions, slots
     assert predicted <= budget
     assert measured.peak_bytes <= budget
-    assert measured.peak_bytes <= predicted  # the ledger's sum is an upper bound of the real step
+    assert measured.peak_bytes <= predicted, (measured.peak_bytes, predicted, budget, backend.ledger.eager_bytes(), backend.measured_steps)  # the ledger's sum is an upper bound of the real step
     return {"predicted": predicted, "measured": measured.peak_bytes, "budget": budget, "backend": backend}
 
 
@@ -125,13 +125,17 @@ def _check_step(model, x, budget: int, regions: int, tol, codegen: str = "aot_ea
        batch=st.integers(8, 48), act=st.sampled_from(["tanh", "gelu", "sigmoid"]),
        break_bits=st.integers(0, 7), dtype=st.sampled_from([torch.float32, torch.float64]),
        fraction=st.floats(0.5, 1.05))
+@example(arch="dense", depth=4, width=16, batch=10, act="gelu", break_bits=3, dtype=torch.float32, fraction=1.05)
 def test_random_graph_breaks_keep_the_whole_step_under_budget(arch, depth, width, batch, act, break_bits,
                                                               dtype, fraction):
     torch.compiler.reset()
     breaks = frozenset(i for i in range(depth - 1) if break_bits >> i & 1)
     regions = len(breaks) + 1
     model, x = _build(arch, depth, width, batch, act, breaks, dtype)
-    high = _unconstrained_step_peak(model, x, regions)
+    # The first step compiles each later region beside the earlier ones' activations: what that
+    # compile holds (the generator-state copies) is part of what the step needs, not only the
+    # steady state (dense x4, 10 x 16, two breaks: 20,224 B on 46,792).
+    high = _unconstrained_step_peak(model, x, regions) + (compile_scratch_bytes("cpu") if regions > 1 else 0)
     budget = int(fraction * high)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
     try:
