@@ -18,6 +18,11 @@ the same way (keyed by its Dynamo graph): a later launch applies the rewrites it
 instead of planning the rungs before them again. Graphs with symbolic sizes are
 not stored (their plans depend on the sizes seen so far). Unreadable or foreign files are misses;
 writes are atomic (a temporary file renamed), so concurrent launches do not see half a record.
+
+Records are pickles, and unpickling runs code: a record is read only from folders this user alone
+can write (POSIX: each folder from the store's own, and for the default location its
+`memcompile_<user>` parent, down to the file, owned by the user, writable by no one else, no
+symbolic link). The folders are created 0700. Any other folder is a logged miss, never written to.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import pathlib
 import pickle
 import platform
+import stat
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -135,23 +141,82 @@ def load(directory: str, key: str) -> StoredOutcome | None:
     return stored if isinstance(stored, StoredOutcome) else None
 
 
+# What unpickling a damaged, truncated or foreign record raises (a miss, never a failure).
+_UNREADABLE = (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError, TypeError,
+               ValueError, OSError)
+_warned_folders: set[str] = set()
+
+
+def _private(path: pathlib.Path) -> bool:
+    """`path` is this user's alone: owned by them, writable by no one else, not a symbolic link
+    (always true where there are no POSIX owners)."""
+    if not hasattr(os, "getuid"):
+        return True
+    info = path.lstat()
+    return (info.st_uid == os.getuid() and not stat.S_ISLNK(info.st_mode)
+            and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _guarded_folders(directory: str, key: str) -> list[pathlib.Path]:
+    """The folders a record's trust rests on, outermost first."""
+    root = pathlib.Path(directory)
+    folders = [root, root / key[:2]]
+    if os.path.abspath(directory) == os.path.abspath(default_directory()):
+        folders.insert(0, root.parent)  # memcompile_<user> in the shared temporary folder
+    return folders
+
+
+def _untrusted(folders: list[pathlib.Path]) -> pathlib.Path | None:
+    """The first existing folder of `folders` another user could have written, if any."""
+    for folder in folders:
+        try:
+            if not _private(folder):
+                return folder
+        except FileNotFoundError:
+            return None
+    return None
+
+
+def _refuse(folder: pathlib.Path) -> None:
+    if str(folder) not in _warned_folders:
+        _warned_folders.add(str(folder))
+        log.warning("memcompile: the plan store folder %s is not this user's alone (owner or permissions), so "
+                    "plans are neither read from it nor written to it; remove it, or pass "
+                    "memcompile.budget(..., plan_store=<a folder of your own>)", folder)
+
+
 def _load_any(directory: str, key: str) -> object:
-    path = pathlib.Path(directory) / key[:2] / f"{key}.pkl"
+    folders = _guarded_folders(directory, key)
+    path = folders[-1] / f"{key}.pkl"
+    unsafe = _untrusted(folders + [path])
+    if unsafe is not None:
+        _refuse(unsafe)
+        return None
     try:
         with path.open("rb") as f:
             stored = pickle.load(f)
     except FileNotFoundError:
         return None
-    except Exception as error:  # noqa: BLE001 - a damaged or foreign file is a miss, never a failure
+    except _UNREADABLE as error:
         log.debug("memcompile: plan store entry %s unreadable (%s: %s)", path, type(error).__name__, error)
         return None
     return stored
 
 
 def save(directory: str, key: str, outcome: "StoredOutcome | StoredLadder") -> None:
-    folder = pathlib.Path(directory) / key[:2]
+    folders = _guarded_folders(directory, key)
+    folder = folders[-1]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        for each in list(reversed(folders[0].parents)) + folders:
+            if not each.exists():
+                each.mkdir(mode=0o700, exist_ok=True)
+            elif each in folders and not _private(each):
+                _refuse(each)
+                return
+        unsafe = _untrusted(folders)  # one made by someone else in between
+        if unsafe is not None:
+            _refuse(unsafe)
+            return
         handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(handle, "wb") as f:
             pickle.dump(outcome, f, protocol=pickle.HIGHEST_PROTOCOL)

@@ -178,3 +178,62 @@ def test_two_launches_of_one_script_under_inductor(tmp_path):
         results.append(line[0].split(maxsplit=3))
     assert results[0][1] == "False" and results[1][1] == "True"
     assert results[0][2:] == results[1][2:]
+
+
+# ---- whose folders are trusted --------------------------------------------------------------
+
+def _record(directory, key="ab" + "0" * 62):
+    from memcompile import plan_store
+
+    plan_store.save(str(directory), key, plan_store.StoredLadder((("chunk_loss", 4, "test"),), True))
+    return key
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+def test_the_store_creates_its_folders_for_this_user_alone(tmp_path):
+    from memcompile import plan_store
+
+    store = tmp_path / "new" / "plans"
+    key = _record(store)
+    for folder in (tmp_path / "new", store, store / key[:2]):
+        assert folder.stat().st_mode & 0o777 == 0o700, (folder, oct(folder.stat().st_mode))
+    assert plan_store.load_ladder(str(store), key) == ((("chunk_loss", 4, "test"),), True)
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, caplog):
+    from memcompile import plan_store
+
+    store = tmp_path / "plans"
+    key = _record(store)
+    store.chmod(0o777)  # another local user could plant a pickle here
+    with caplog.at_level("WARNING", logger="memcompile"):
+        assert plan_store.load_ladder(str(store), key) is None
+    assert "not this user's alone" in caplog.text
+    other = "cd" + "0" * 62
+    _record(store, other)
+    assert not (store / other[:2]).exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="changing a file's owner needs root")
+def test_a_record_another_user_owns_is_not_read(tmp_path):
+    from memcompile import plan_store
+
+    store = tmp_path / "plans"
+    key = _record(store)
+    os.chown(store / key[:2] / f"{key}.pkl", 4242, -1)
+    assert plan_store.load_ladder(str(store), key) is None
+    os.chown(store / key[:2] / f"{key}.pkl", 0, -1)
+    assert plan_store.load_ladder(str(store), key) is not None
+
+
+def test_a_damaged_record_is_a_miss(tmp_path):
+    from memcompile import plan_store
+
+    store = tmp_path / "plans"
+    key = _record(store)
+    path = store / key[:2] / f"{key}.pkl"
+    path.write_bytes(path.read_bytes()[:10])  # truncated
+    assert plan_store.load_ladder(str(store), key) is None
+    path.write_bytes(b"not a pickle at all")
+    assert plan_store.load_ladder(str(store), key) is None
