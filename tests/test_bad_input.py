@@ -192,6 +192,24 @@ def test_solver_that_runs_out_of_time_still_gives_a_plan(attention_case, monkeyp
     _check(result, expected, budget)
 
 
+def test_a_broken_invariant_in_planning_is_not_hidden_by_the_fallback(attention_case, monkeypatch):
+    """An AssertionError is a bug, not a graph planning cannot read: it reaches the caller instead
+    of running PyTorch's partition with a warning (which would hide it in a user's run, and a
+    test's sentinel with it)."""
+    from memcompile import planner
+
+    def broken(*_args, **_kwargs):
+        raise AssertionError("a broken invariant")
+
+    step, x, params, _expected, budget = attention_case
+    monkeypatch.setattr(planner, "analyze_joint_graph", broken)
+    with pytest.raises(Exception, match="a broken invariant") as info:
+        run_step(step, x, params, "1GB")
+    # Dynamo wraps what a backend raises (BackendCompilerFailed) around the error itself
+    assert isinstance(getattr(info.value, "inner_exception", info.value), AssertionError), repr(info.value)
+    torch.compiler.reset()
+
+
 @pytest.mark.parametrize("broken_name", ["greedy_plan", "analyze_joint_graph", "solve_min_peak"])
 def test_planner_failures_fall_back_to_the_stock_partition_only_where_it_fits(attention_case, monkeypatch, caplog,
                                                                               broken_name):

@@ -74,9 +74,11 @@ def test_frames_without_training_work_are_not_flagged():
     """No gradients (no_grad, or nothing that requires grad): a skipped frame saves nothing for
     a backward, so it runs as Dynamo runs it; frames of other backends are never flagged."""
     model, x = BreakInLoop(), torch.randn(128, 64)
-    compiled = torch.compile(model, backend=memcompile.budget(1000))
+    backend = memcompile.budget(1000, on_unplanned="warn")  # a flagged frame would be listed, not raised
+    compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
-        compiled(x)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert backend.eager_frames == []
     torch.compiler.reset()
 
     def loop(x):
@@ -86,9 +88,16 @@ def test_frames_without_training_work_are_not_flagged():
                 torch._dynamo.graph_break()
         return x
 
-    torch.compile(loop, backend=memcompile.budget(1000))(torch.randn(8))  # no tensor requires grad
+    backend = memcompile.budget(1000, on_unplanned="warn")
+    y = torch.randn(8)
+    torch.testing.assert_close(torch.compile(loop, backend=backend)(y), y * 8)  # no tensor requires grad
+    assert backend.eager_frames == []
     torch.compiler.reset()
-    torch.compile(model, backend="aot_eager")(x).backward()  # another backend's frame runs as before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(x).backward()  # another backend's frame runs as before
+    assert not [w for w in caught if issubclass(w.category, memcompile.UnplannedFrameWarning)]
+    assert all(p.grad is not None for p in model.parameters())
     torch.compiler.reset()
 
 
