@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -115,7 +116,7 @@ def extract_forward_backward(
 # fused with layer 1's (they read the same saved RoPE cos/sin and masks) and so computed at the
 # top of the backward, held across layer 1's. Inductor refuses such fusions only for nodes more
 # than 64 apart (Scheduler.are_long_distant_nodes); for marked nodes we refuse them beyond
-# RECOMPUTE_FUSION_DISTANCE, and vertical fusions too (install_fusion_rules). Llama small's
+# RECOMPUTE_FUSION_DISTANCE, and vertical fusions too (_install_fusion_rules). Llama small's
 # smallest budget: 10.26 MiB with Inductor's rule alone (the distance set to 10**9), 9.26 MiB
 # with the limit (benchmarks/pareto.py probe child).
 RECOMPUTED = "memcompile_recomputed"
@@ -176,22 +177,53 @@ LIFETIME_FUSION = os.environ.get("MEMCOMPILE_LIFETIME_FUSION", "1") != "0"  # 0:
 ADJACENT_REUSE_ONLY = os.environ.get("MEMCOMPILE_ADJACENT_REUSE", "1") != "0"  # 0: off, for comparisons
 
 
-def install_reuse_rule() -> None:
+def _install_reuse_rule() -> Callable[[], None]:
     """In graphs memcompile planned (PLANNED_GRAPH), a freed buffer is reused only by the next
-    kernel's allocation (see ADJACENT_REUSE_ONLY); other graphs reuse as before. Idempotent."""
+    kernel's allocation (see ADJACENT_REUSE_ONLY); other graphs reuse as before. Returns what
+    restores Inductor's own."""
     from torch._inductor.codegen.wrapper import AllocateLine
 
-    original = AllocateLine.should_reuse_buffer
-    if getattr(original, "memcompile_adjacent", False):
-        return
+    original = AllocateLine.__dict__["should_reuse_buffer"]
 
     def should_reuse_buffer(self, free_line, size):
         if ADJACENT_REUSE_ONLY and not getattr(self, "comm_buffer", False) and _planned_graph_now():
             return free_line.scheduler_node_index + 1 == self.scheduler_node_index
         return original(self, free_line, size)
 
-    should_reuse_buffer.memcompile_adjacent = True
     AllocateLine.should_reuse_buffer = should_reuse_buffer
+
+    def restore() -> None:
+        AllocateLine.should_reuse_buffer = original
+
+    return restore
+
+
+# Scopes of inductor_rules() open now (they may nest: the check lowers graphs inside a compile).
+_RULES_LOCK = threading.Lock()
+_RULES_DEPTH = 0
+_RULES_RESTORE: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def inductor_rules():
+    """memcompile's fusion and buffer-reuse rules on Inductor's classes while memcompile lowers
+    or compiles a graph (_install_fusion_rules, _install_reuse_rule); Inductor's own are back
+    when the outermost scope ends. Inside a scope, graphs memcompile did not plan still fuse and
+    reuse as stock Inductor does (the rules read the planned-graph and recomputed marks)."""
+    global _RULES_DEPTH
+    with _RULES_LOCK:
+        if _RULES_DEPTH == 0:
+            _RULES_RESTORE[:] = [_install_fusion_rules(), _install_reuse_rule()]
+        _RULES_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _RULES_LOCK:
+            _RULES_DEPTH -= 1
+            if _RULES_DEPTH == 0:
+                for restore in reversed(_RULES_RESTORE):
+                    restore()
+                _RULES_RESTORE.clear()
 
 
 # While set (stock_inductor_rules), the schedule check models a graph as stock Inductor compiles
@@ -272,9 +304,9 @@ def _planned_graph_now() -> bool:
     return bool(getattr(module, "meta", {}).get(PLANNED_GRAPH))
 
 
-def install_fusion_rules() -> None:
-    """Install memcompile's fusion rules in every Inductor compile of this process (idempotent):
-    refuse fusions of a recomputed node with one far from it (in Inductor's node order), and, in
+def _install_fusion_rules() -> Callable[[], None]:
+    """memcompile's fusion rules on Inductor's choices (inductor_rules scopes them; returns what
+    restores Inductor's own): refuse fusions of a recomputed node with one far from it (in Inductor's node order), and, in
     graphs memcompile planned (PLANNED_GRAPH), horizontal fusions that keep a large dead buffer's
     memory from the later node (_fusion_extends_a_lifetime). Other graphs fuse as before.
 
@@ -288,11 +320,8 @@ def install_fusion_rules() -> None:
     backward: every plan the solver made checked 256-512 KiB over its model."""
     from torch._inductor.choices import InductorChoices
 
-    original = InductorChoices.can_fuse_horizontal
-    if getattr(original, "memcompile_limited", False):
-        return
-
-    original_vertical = InductorChoices.can_fuse_vertical
+    saved = InductorChoices.__dict__["can_fuse_horizontal"], InductorChoices.__dict__["can_fuse_vertical"]
+    original, original_vertical = InductorChoices.can_fuse_horizontal, InductorChoices.can_fuse_vertical
 
     def far_and_recomputed(node1, node2, distance: int, limit: int) -> bool:
         return distance > limit and (_has_recomputed_origin(node1) or _has_recomputed_origin(node2))
@@ -311,9 +340,13 @@ def install_fusion_rules() -> None:
             return False
         return original_vertical(scheduler, node1, node2, shared_data_score)
 
-    can_fuse_horizontal.memcompile_limited = True
     InductorChoices.can_fuse_horizontal = staticmethod(can_fuse_horizontal)
     InductorChoices.can_fuse_vertical = staticmethod(can_fuse_vertical)
+
+    def restore() -> None:
+        InductorChoices.can_fuse_horizontal, InductorChoices.can_fuse_vertical = saved
+
+    return restore
 
 
 def stock_partition(joint: fx.GraphModule, joint_inputs: Any, memory_budget: float | None = None, **kwargs: Any):
@@ -393,15 +426,14 @@ def compile_with_inductor(
     """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in;
     `on_inference` sees an inference graph (AOTAutograd's, before codegen), which no
     partitioner does."""
-    install_fusion_rules()
-    install_reuse_rule()
 
     def inner_compile(graph, inputs, **kwargs):
         if kwargs.get("is_inference") and on_inference is not None:
             on_inference(graph)
         return _compile_fx_inner(graph, inputs, **kwargs)
 
-    with aot_settings():
+    # the backward lowers with the forward (aot_settings): both inside the rules' scope
+    with aot_settings(), inductor_rules():
         return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
                            config_patches={"custom_partitioner_fn": partitioner})
 
@@ -716,7 +748,6 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
 
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example)
-    install_fusion_rules()  # the fusion rules of memcompile's own compiles, installed once
     if not _CHECK_STOCK_RULES:
         mark_planned(gm)  # and applying to this graph
     graph = GraphLowering(gm, example_inputs=example, is_backward=is_backward)
@@ -727,7 +758,7 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         graph.bw_donated_idxs = [i for i, n in enumerate(placeholders)
                                  if isinstance(n.meta.get("val"), torch.Tensor) and not _is_tangent(n)]
-    with DebugContext(), V.set_graph_handler(graph), V.set_fake_mode(fake_mode):
+    with DebugContext(), V.set_graph_handler(graph), V.set_fake_mode(fake_mode), inductor_rules():
         graph.run(*example)
         graph.init_wrapper_code()
         graph._update_scheduler()

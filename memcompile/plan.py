@@ -62,7 +62,7 @@ class Plan:
     # projections), beyond added_time_s, which prices the plan's decisions on the rewritten graph.
     rewrite_time_s: float = 0.0
     # The graphs compile under Inductor's own buffer reuse and fusion rules, not memcompile's
-    # (_torch_private.install_reuse_rule / install_fusion_rules): PyTorch's partition checked
+    # (_torch_private.inductor_rules): PyTorch's partition checked
     # within the budget under them, so it runs as PyTorch's own compile does.
     stock_inductor_rules: bool = False
     budget_source: str = ""  # where budget_bytes came from when relative to the device (budget("90%"), "free")

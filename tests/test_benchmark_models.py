@@ -103,7 +103,7 @@ def test_pareto_pairs_a_pytorch_peak_with_the_floor_run_when_its_group_fell_belo
 def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
     """Llama's layers read the same saved RoPE cos/sin: Inductor fused layer 0's recomputed keys
     with layer 1's and ran them at the top of the backward. With recomputations kept where the
-    rewrite puts them (_torch_private.install_fusion_rules) the smallest budget is lower, and a
+    rewrite puts them (_torch_private.inductor_rules) the smallest budget is lower, and a
     plan at it is measured within it. The comparison runs under Inductor's own buffer reuse
     (MEMCOMPILE_ADJACENT_REUSE=0): with memcompile's, Llama tiny's two floors are equal (1,318,952
     B), the early kernels' buffers no longer held for later allocations. MLP and loss-head chunking

@@ -227,9 +227,46 @@ def _reduction_read_early_and_by_a_late_recomputation(x, w, wide, wide_w, wider,
     late = wider * s  # the node marked as recomputed: its only reader is the last matmul
     return (y @ w + late @ wider_w,)  # a tuple, as partitioned graphs return
 
+@pytest.fixture
+def inductor_rules():
+    """memcompile's Inductor rules installed for the test (as inside memcompile's own compiles)."""
+    with tp.inductor_rules():
+        yield
+
+
+@pytest.mark.inductor
+def test_no_class_of_inductor_stays_patched_after_a_memcompile_compile():
+    """memcompile's fusion and reuse rules are on Inductor's classes only while it lowers or
+    compiles; after its compile returns (and between steps) they are Inductor's own, so a user's
+    other torch.compile calls, and other threads, run under Inductor's rules."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.codegen.wrapper import AllocateLine
+
+    before = (InductorChoices.__dict__["can_fuse_horizontal"], InductorChoices.__dict__["can_fuse_vertical"],
+              AllocateLine.__dict__["should_reuse_buffer"])
+    installed = []
+    real_install = tp._install_fusion_rules
+
+    def install():
+        restore = real_install()
+        installed.append(InductorChoices.__dict__["can_fuse_horizontal"] is not before[0])
+        return restore
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    x = torch.randn(16, 32, requires_grad=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tp, "_install_fusion_rules", install)
+        torch.compile(model, backend=memcompile.budget(10**9))(x).sum().backward()
+    assert installed and all(installed), "the rules were not in force during memcompile's compile"
+    after = (InductorChoices.__dict__["can_fuse_horizontal"], InductorChoices.__dict__["can_fuse_vertical"],
+             AllocateLine.__dict__["should_reuse_buffer"])
+    assert after == before
+    torch.compiler.reset()
+
+
 
 @pytest.mark.parametrize("rows,width", [(64, 512), (32, 256)])
-def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(rows, width, monkeypatch):
+def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(inductor_rules, rows, width, monkeypatch):
     """Inductor fuses a reader into its producer (vertical fusion) however far apart they are, and
     the fused kernel runs at the producer: a recomputation placed just before its reader was
     computed at the top of the backward and held across it (Llama small's attention masks:
@@ -244,7 +281,6 @@ def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(rows, wi
     graph = make_fx(_reduction_read_early_and_by_a_late_recomputation, tracing_mode="fake")(*args)
     late = next(n for n in graph.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
     late.meta[tp.RECOMPUTED] = True
-    tp.install_fusion_rules()
 
     def schedule_and_peak():
         schedule = tp.inductor_schedule(graph, is_backward=False)
@@ -297,7 +333,7 @@ def test_a_fusion_that_would_keep_a_dead_buffer_live_is_refused_in_planned_graph
     assert fused_peak - peak == wide - width * 64 * 4, (fused_peak, peak)
 
 
-def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
+def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(inductor_rules, monkeypatch):
     """The rule is installed process-wide (Inductor's choices hook) but reads the planned-graph
     mark: a plain torch.compile of the same function generates the same kernels with it as
     without it."""
@@ -306,7 +342,6 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(monkeypatch):
 
     args = (torch.randn(256, 128), torch.randn(256, 128), torch.randn(256, 128),
             torch.randn(256, 64), torch.randn(256, 64))
-    tp.install_fusion_rules()
 
     def kernels_generated() -> int:
         torch.compiler.reset()
@@ -333,7 +368,7 @@ def _early_dead_buffer_and_a_late_one_of_its_size(x, w_big, w_wide, w_row):
     return s @ w_row  # the size of a, two kernels after a died: holding a stays under that peak
 
 
-def test_in_planned_graphs_the_wrapper_reuses_a_dead_buffer_only_for_the_next_kernel(monkeypatch):
+def test_in_planned_graphs_the_wrapper_reuses_a_dead_buffer_only_for_the_next_kernel(inductor_rules, monkeypatch):
     """Inductor's wrapper holds a dead buffer for a later allocation of its size wherever its own
     estimate of the graph's peak allows (AllocateLine.should_reuse_buffer); on Llama small two
     dead 256 KiB gradients were held through the step's peak. In graphs memcompile planned the
@@ -343,7 +378,6 @@ def test_in_planned_graphs_the_wrapper_reuses_a_dead_buffer_only_for_the_next_ke
     from torch._inductor.utils import run_and_get_code
 
     args = (torch.randn(128, 128), torch.randn(128, 1024), torch.randn(128, 512), torch.randn(1, 128))
-    tp.install_reuse_rule()
 
     def reuses() -> list[str]:
         torch.compiler.reset()

@@ -69,7 +69,7 @@ def stock_reuse(monkeypatch):
 
 
 def test_in_planned_graphs_a_freed_buffer_is_reused_only_by_the_next_kernel():
-    """memcompile's rule (_torch_private.install_reuse_rule): the kernels of the next test, where
+    """memcompile's rule (_torch_private.inductor_rules): the kernels of the next test, where
     Inductor holds buf0 and buf1 dead for later allocations of their sizes; here each is freed
     when it dies and the later result allocated anew."""
     assert tp.ADJACENT_REUSE_ONLY  # the default
