@@ -21,8 +21,9 @@ writes are atomic (a temporary file renamed), so concurrent launches do not see 
 
 Records are pickles, and unpickling runs code: a record is read only from folders this user alone
 can write (POSIX: each folder from the store's own, and for the default location its
-`memcompile_<user>` parent, down to the file, owned by the user, writable by no one else, no
-symbolic link). The folders are created 0700. Any other folder is a logged miss, never written to.
+`memcompile_<user>` parent, down to the file, owned by the user and writable by no one else,
+where a symbolic link points). The folders are created 0700. Any other folder is a logged miss,
+never written to.
 """
 
 from __future__ import annotations
@@ -148,13 +149,12 @@ _warned_folders: set[str] = set()
 
 
 def _private(path: pathlib.Path) -> bool:
-    """`path` is this user's alone: owned by them, writable by no one else, not a symbolic link
-    (always true where there are no POSIX owners)."""
+    """`path` (what a symbolic link points to) is this user's alone: owned by them, writable by no
+    one else (always true where there are no POSIX owners)."""
     if not hasattr(os, "getuid"):
         return True
-    info = path.lstat()
-    return (info.st_uid == os.getuid() and not stat.S_ISLNK(info.st_mode)
-            and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _guarded_folders(directory: str, key: str) -> list[pathlib.Path]:
