@@ -382,7 +382,8 @@ class _Region:
         A chunked loss head never holds the logits whole, chunked MLPs never their intermediate
         activations, so the rest of the step has more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4
         partition with the head whole ran 1.11x the step, the chunked head with the 0.8 partition
-        1.05x; benchmarks/results/pareto_small_s12.md). Costs one more compile, only where the
+        1.05x in a run of `python benchmarks/pareto.py --models gpt2 --size small --threads 1`).
+        Costs one more compile, only where the
         plan recomputes more than the rewrite costs."""
         current = self._first
         plan = current.plan if current is not None else None

@@ -446,7 +446,8 @@ def _search(
     if isinstance(chosen.solution, StockSolution) and fuse and not stock_rules:
         # PyTorch's partition under memcompile's Inductor rules is not PyTorch's compile: BERT
         # small at the 0.8 partition's peak, 1.019x [1.007-1.030] the step where PyTorch's ran
-        # 0.997x (decisive_bert_small_asfast_s20b). Where it fits under Inductor's own rules,
+        # 0.997x (`benchmarks/decisive_points.py`, bert: --variants amb:0.8,mc:16104072, the
+        # results' decisive_bert_small_asfast). Where it fits under Inductor's own rules,
         # it runs under them.
         with tp.stock_inductor_rules():
             as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, True,
@@ -503,7 +504,8 @@ def _search(
 # step plan of several regions choose among them too, each checked at the sizes planned for.
 # MEMCOMPILE_STOCK_CANDIDATES=0 turns this off.
 STOCK_FRACTIONS = (1.0, 0.8, 0.6, 0.4)
-# A fitting partition is not always cheap: BERT small at 12.08 MiB (pareto_small_s14) took the
+# A fitting partition is not always cheap: BERT small at 12.08 MiB (in a run of
+# `python benchmarks/pareto.py --models bert --size small --threads 1`) took the
 # 0.6 partition, estimated at +4.55 ms, measured 1.355x the step, where the solver's plan for
 # 10.07 MiB, estimated at 0.81 ms, measured 1.049x. So where a partition's recomputations are
 # estimated above STOCK_SOLVE_ABOVE of the step (under it, no plan can save more than noise),
