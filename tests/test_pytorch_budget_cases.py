@@ -21,16 +21,21 @@ CASES = {name: (fn, make) for name, fn, make in cases()}
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-@pytest.mark.parametrize("case", ["chain x4", "chain x8", "uneven"])
-def test_a_budget_at_pytorchs_measured_peak_runs_within_it(case, fraction):
+@pytest.mark.parametrize("case,baseline", [
+    ("chain x4", "aot_eager"), ("chain x8", "aot_eager"), ("uneven", "aot_eager"),
+    # aot_eager runs the softmax backward as one kernel; memcompile's aot_eager mode runs
+    # Inductor's decomposition of it, as aot_eager_decomp_partition does
+    ("attention vs linear", "aot_eager_decomp_partition")])
+def test_a_budget_at_pytorchs_measured_peak_runs_within_it(case, baseline, fraction):
     fn, make = CASES[case]
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=fraction):
-        stock_peak = measured_step_peak(torch.compile(fn, backend="aot_eager"), make())
+        stock_peak = measured_step_peak(torch.compile(fn, backend=baseline), make())
     torch._dynamo.reset()
     tensors = make()
     expected = torch.autograd.grad(fn(*tensors), tensors)
     peak = measured_step_peak(torch.compile(fn, backend=memcompile.budget(stock_peak, codegen="aot_eager")), tensors)
     assert peak <= stock_peak, (peak, stock_peak)
     for t, e in zip(tensors, expected):
-        torch.testing.assert_close(t.grad, e)
+        # float32 sums of 256 products, in another order where a softmax backward is decomposed
+        torch.testing.assert_close(t.grad, e, rtol=1e-4, atol=2e-4)
