@@ -197,6 +197,7 @@ def test_auto_chunks_the_mlps_as_coarsely_as_the_budget_allows() -> None:
     torch.compiler.reset()
 
 
+@pytest.mark.inductor
 def test_inductor_meets_a_budget_only_the_chunked_mlps_fit() -> None:
     torch.manual_seed(1)
     model = MlpStack(hidden=32, inner=256, depth=2, activation="gelu", gated=False, bias=True)

@@ -100,6 +100,7 @@ def _joint_of(monkeypatch, model, x):
     return seen[0]
 
 
+@pytest.mark.inductor  # the check lowers and schedules with Inductor
 @settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(d=st.sampled_from([16, 32, 48]), depth=st.integers(1, 2), batch=st.integers(8, 64))
 def test_the_model_of_inlined_values_agrees_with_the_check(monkeypatch_module, d, depth, batch):

@@ -54,6 +54,7 @@ INDUCTOR_REGRESSIONS = (
 )
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("case", INDUCTOR_REGRESSIONS, ids=lambda c: c.describe().replace(" ", "-"))
 def test_inductor_sweep_regressions_keep_the_rule(case: Case) -> None:
     outcome = step_sweep.run_case(case, codegen="inductor")

@@ -360,6 +360,7 @@ def test_new_plan_fields_survive_the_json_round_trip(tight_plan, tmp_path):
     assert load_plans(tmp_path / "p.json") == [tight_plan]
 
 
+@pytest.mark.inductor
 def test_under_inductor_the_scheduled_check_splits_categories_and_names_tensors():
     """Planned with Inductor's check (its lowering and schedule), no code generated (plan-only)."""
     torch.manual_seed(0)
