@@ -306,8 +306,8 @@ def _planned_graph_now() -> bool:
 
 def _install_fusion_rules() -> Callable[[], None]:
     """memcompile's fusion rules on Inductor's choices (inductor_rules scopes them; returns what
-    restores Inductor's own): refuse fusions of a recomputed node with one far from it (in Inductor's node order), and, in
-    graphs memcompile planned (PLANNED_GRAPH), horizontal fusions that keep a large dead buffer's
+    restores Inductor's own): refuse fusions of a recomputed node with one far from it (in
+    Inductor's node order), and, in graphs memcompile planned (PLANNED_GRAPH), horizontal fusions that keep a large dead buffer's
     memory from the later node (_fusion_extends_a_lifetime). Other graphs fuse as before.
 
     Horizontal (two readers of the same buffers): the span of the pair beyond

@@ -207,13 +207,12 @@ def save(directory: str, key: str, outcome: "StoredOutcome | StoredLadder") -> N
     folders = _guarded_folders(directory, key)
     folder = folders[-1]
     try:
-        for each in list(reversed(folders[0].parents)) + folders:
-            if not each.exists():
-                each.mkdir(mode=0o700, exist_ok=True)
-            elif each in folders and not _private(each):
-                _refuse(each)
-                return
-        unsafe = _untrusted(folders)  # one made by someone else in between
+        unsafe = _untrusted(folders)  # the existing ones, before anything is made in them
+        if unsafe is None:
+            for each in list(reversed(folders[0].parents)) + folders:
+                if not each.exists():
+                    each.mkdir(mode=0o700, exist_ok=True)
+            unsafe = _untrusted(folders)  # one made by someone else in between
         if unsafe is not None:
             _refuse(unsafe)
             return
