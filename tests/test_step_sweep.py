@@ -35,6 +35,8 @@ def cases(draw) -> Case:
 @example(case=Case("mlp", 4, 32, 256, 0.0, False, "none", (0, 1, 2), False, 0.55))
 # Dynamo skips a frame whose loop holds a graph break: the call raises, never runs unplanned.
 @example(case=Case("attention", 3, 16, 2, 0.3, False, "plain", (1,), True, 0.9))
+# A region compiled before the skipped frame is below its floor: InfeasibleBudgetError comes first.
+@example(case=Case("attention", 4, 32, 4, 0.0, True, "none", (0, 1), True, 1e-05, seed=649))
 def test_random_steps_keep_the_budget_or_raise_a_typed_error_first(case: Case) -> None:
     outcome = step_sweep.run_case(case, codegen="aot_eager")
     assert outcome.outcome != "crash", outcome.note
@@ -42,7 +44,8 @@ def test_random_steps_keep_the_budget_or_raise_a_typed_error_first(case: Case) -
     if outcome.outcome == "ran":
         assert all(peak <= outcome.budget_bytes for peak in outcome.peaks)
     if case.break_in_loop:
-        assert outcome.outcome == "unplanned"
+        assert outcome.outcome in ("unplanned", "infeasible")
+        assert outcome.outcome == "unplanned" or outcome.floor_runs == 1
 
 
 # Cases the Inductor sweep (benchmarks/budget_sweep.py) found over budget or with other gradients:
