@@ -247,7 +247,8 @@ def stock_inductor_rules():
 def check_switches() -> tuple[tuple[str, object], ...]:
     """The switches of this module that change what the schedule check predicts."""
     return (("ADJACENT_REUSE_ONLY", ADJACENT_REUSE_ONLY), ("LIFETIME_FUSION", LIFETIME_FUSION),
-            ("CHECK_STOCK_RULES", _CHECK_STOCK_RULES))
+            ("CHECK_STOCK_RULES", _CHECK_STOCK_RULES), ("RECOMPUTE_FUSION_DISTANCE", RECOMPUTE_FUSION_DISTANCE),
+            ("RECOMPUTE_VERTICAL_GAP", RECOMPUTE_VERTICAL_GAP))
 
 
 def mark_planned(*graphs: fx.GraphModule) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile import logs
+from memcompile import check_memo, logs
 from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes, profile_for
 from memcompile.cost_models.op_timing import timing_allocation_limit
@@ -513,7 +513,8 @@ class _Region:
         try:
             # op timing runs while the compile's own copies are live (counted in the reserve or not)
             headroom = _headroom_bytes(options, example_inputs) - (self.backend.compile_scratch - options.compile_scratch_bytes)
-            with planning_sizes(self.sizes), timing_allocation_limit(headroom):
+            with planning_sizes(self.sizes), timing_allocation_limit(headroom), \
+                    check_memo.remembering(self.backend.checks):
                 fn = self.backend.compile_graph(gm, example_inputs, options)
         finally:
             _RECORD.reset(token)
@@ -858,6 +859,7 @@ class Backend:
         self.eager_frames: list[tp.EagerFrame] = []  # frames Dynamo ran eagerly, outside every plan ("warn")
         self.ledger = StepLedger()
         self.compiles = 0  # graphs compiled (first compiles and re-plans)
+        self.checks = check_memo.CheckMemo()  # checks of planned graphs made for this backend
         # What compiling a graph at a call holds on the step's device (set with the workspaces):
         # counted where a region compiles beside what other regions hold.
         self.compile_scratch = 0
@@ -917,7 +919,7 @@ class Backend:
                 region.assigned = None  # one call per step: its own plan is the step's
             self._settled = shape
             return
-        with _random_state_kept(()):  # the options' checks draw random inputs (see _recompile)
+        with _random_state_kept(()), check_memo.remembering(self.checks):  # the options' checks draw random inputs (see _recompile)
             menus = [region.plan_options() for region in regions]
         options = [[option for option, _ in menu] for menu in menus]
         positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)

@@ -42,6 +42,7 @@ from memcompile.passes.recompute_fusion import with_fused_recomputations
 from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Decision, Plan, format_bytes
 from memcompile import plan_store
+from memcompile import check_memo
 from memcompile.plan_cache import solve_cached, source_hash
 from memcompile.sizes import size_value
 from memcompile.solver.activations import (
@@ -133,8 +134,16 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     `boundary_bytes` held by eager code as the backward starts (Options.boundary_bytes)."""
     began = time.perf_counter()
     try:
-        return with_held_at_backward_start(_predicted_liveness(fw, bw, num_fwd_outputs, inductor, rounding),
-                                           boundary_bytes)
+        memo = check_memo.current()
+        key = None if memo is None else check_memo.graphs_key(
+            (fw, bw), tp.RECOMPUTED, (num_fwd_outputs, inductor, FUSION_CHECK, repr(rounding), tp.check_switches(),
+                                      torch.get_num_threads(), tp.inductor_config_text()))
+        timeline = memo.get(key) if memo is not None else None
+        if timeline is None:
+            timeline = _predicted_liveness(fw, bw, num_fwd_outputs, inductor, rounding)
+            if memo is not None:
+                memo.put(key, timeline)
+        return with_held_at_backward_start(timeline, boundary_bytes)
     finally:
         spent = _CHECK_S.get()
         if spent is not None:
@@ -710,6 +719,12 @@ def _model_steps(analysis: JointAnalysis) -> list[tuple[str, str]]:
             + [("backward", n.name) for n in analysis.backward_nodes])
 
 
+def _held_across(problem: ActivationProblem, i: int, t: int | None) -> bool:
+    """Whether candidate `i`, kept, is held at model step `t` (the step of a check's peak; None
+    where the check's peak names no step of the model: then it may be)."""
+    return t is None or problem.keep_from[i] <= t and (problem.last_read[i] < 0 or t <= problem.last_read[i])
+
+
 def _calibrated_to(analysis: JointAnalysis, checked: _Attempt) -> JointAnalysis:
     """The analysis with its model's fixed bytes corrected by the exact check of `checked`
     (passes/calibration.py): the error no decision changes is taken out before solving."""
@@ -899,8 +914,7 @@ class Replanner:
             t = steps.get((peak.phase, peak.node))
             held = attempt.solution
             moves = [i for i in held.keep if problem.nbytes[i] and problem.can_recompute[i]
-                     and (t is None or problem.keep_from[i] <= t
-                          and (problem.last_read[i] < 0 or t <= problem.last_read[i]))]
+                     and _held_across(problem, i, t)]
             moves.sort(key=lambda i: (sum(problem.recompute_cost_s[j] for j in problem.op_group(i)) / problem.nbytes[i], i))
             lower = None
             for i in moves[:_REPAIR_TRIES - tries]:
@@ -1049,10 +1063,15 @@ def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _At
                       rounding: AllocatorRounding = EXACT) -> _Attempt:
     problem = analysis.problem
     limit = _DESCENT_TRIES_WITH_STORE if problem.store_choices else _DESCENT_TRIES
+    steps = {step: t for t, step in enumerate(_model_steps(analysis))}
+    screen = _screen_for(analysis, attempt)
     tries = 0
     for i in sorted(attempt.solution.keep, key=lambda c: (-problem.nbytes[c], c)):
         if tries >= limit or problem.nbytes[i] == 0:
             break
+        peak = attempt.timeline.peak_step
+        if not _held_across(problem, i, steps.get((peak.phase, peak.node))):
+            continue  # not held at the checked peak: changing it cannot lower that step
         recompute, stored = set(attempt.solution.recompute), dict(attempt.solution.stored)
         moves = [close_decisions(problem, recompute | {i}, stored)]
         moves += [close_decisions(problem, recompute, {**stored, i: k}) for k in range(len(problem.choices_of(i)))]
@@ -1061,6 +1080,8 @@ def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _At
                 break
             if i in decisions[0]:
                 continue  # not allowed (cannot be recomputed, a lossy form it must not take), or already so
+            if screen is not None and evaluate(screen, *decisions)[0] >= attempt.timeline.peak_bytes:
+                continue  # the model, matched to this plan's check, finds no lower peak
             tries += 1
             peak, added = evaluate(problem, *decisions)
             other = _rewrite_and_check(joint, analysis, ActivationSolution(*decisions, peak, added,
@@ -1068,8 +1089,25 @@ def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _At
                                        num_fwd_outputs, fuse, rounding)
             if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
                 attempt = other
+                screen = _screen_for(analysis, attempt)
                 break
     return attempt
+
+
+# The descent's screen is trusted where the model, calibrated to a plan's check, puts that plan's
+# peak within this much of the check's: then a move it finds no lower is not checked.
+_SCREEN_TOLERANCE = 0.002
+
+
+def _screen_for(analysis: JointAnalysis, attempt: _Attempt) -> ActivationProblem | None:
+    """The model with its fixed bytes matched to `attempt`'s check (passes/calibration.py), to
+    estimate the descent's moves from it without lowering them; None where it does not reproduce
+    the checked peak (the check's peak at a step the model does not name, or a value it places
+    otherwise): then every move is checked."""
+    screen = _calibrated_to(analysis, attempt).problem
+    modelled = evaluate(screen, attempt.solution.keep, attempt.solution.recompute, attempt.solution.stored)[0]
+    checked = attempt.timeline.peak_bytes
+    return screen if abs(modelled - checked) <= _SCREEN_TOLERANCE * checked else None
 
 
 def _infeasible(options: Options, attempt: _Attempt, analysis: JointAnalysis) -> InfeasibleBudgetError:
