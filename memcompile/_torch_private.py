@@ -198,6 +198,59 @@ def _install_reuse_rule() -> Callable[[], None]:
     return restore
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledSchedule:
+    """A graph's schedule as the compile that runs it built it (compile_with_inductor's `schedules`)."""
+
+    is_backward: bool
+    graph: fx.GraphModule  # after Inductor's post-grad passes: the graph it lowered
+    schedule: Any  # memcompile.passes.inductor_schedule.InductorSchedule
+    output_names: tuple[str | None, ...]  # the graph's outputs' names before those passes (they rename some)
+
+    view_names: frozenset[str] = frozenset()  # its `view` nodes before the compile
+
+    def as_checked(self) -> fx.GraphModule:
+        """A copy of `graph` as the schedule check sees its copies: Inductor's compile turns every
+        `view` into a `reshape` first (for layout changes) that the liveness would count as a
+        copy; those it lowered as views are views again."""
+        copied = fx.GraphModule(self.graph, copy.deepcopy(self.graph.graph))
+        for node in copied.graph.find_nodes(op="call_function", target=torch.ops.aten.reshape.default):
+            if node.name in self.view_names:
+                node.target = torch.ops.aten.view.default
+        return copied
+
+
+# While set: (id of a graph compile_with_inductor hands Inductor -> (is_backward, its output names,
+# its view nodes), where its schedule goes).
+_CAPTURE: contextvars.ContextVar[tuple[dict, list] | None] = contextvars.ContextVar(
+    "memcompile_schedule_capture", default=None)
+
+
+def _install_schedule_capture() -> Callable[[], None]:
+    """The schedule Inductor builds for code generation is read, as plain data, for the graphs
+    compile_with_inductor was asked to capture; returns what restores Inductor's own."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.__dict__["_update_scheduler"]
+
+    def _update_scheduler(self) -> None:
+        original(self)
+        capture = _CAPTURE.get()
+        if capture is None:
+            return
+        expected, sink = capture
+        wanted = expected.pop(id(self.module), None)
+        if wanted is not None:
+            sink.append(CompiledSchedule(wanted[0], self.module, _schedule_of(self), wanted[1], wanted[2]))
+
+    GraphLowering._update_scheduler = _update_scheduler
+
+    def restore() -> None:
+        GraphLowering._update_scheduler = original
+
+    return restore
+
+
 # Scopes of inductor_rules() open now (they may nest: the check lowers graphs inside a compile).
 _RULES_LOCK = threading.Lock()
 _RULES_DEPTH = 0
@@ -213,7 +266,7 @@ def inductor_rules():
     global _RULES_DEPTH
     with _RULES_LOCK:
         if _RULES_DEPTH == 0:
-            _RULES_RESTORE[:] = [_install_fusion_rules(), _install_reuse_rule()]
+            _RULES_RESTORE[:] = [_install_fusion_rules(), _install_reuse_rule(), _install_schedule_capture()]
         _RULES_DEPTH += 1
     try:
         yield
@@ -423,20 +476,34 @@ def aot_settings():
 def compile_with_inductor(
     gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn,
     on_inference: Callable[[fx.GraphModule], None] | None = None,
+    schedules: list[CompiledSchedule] | None = None,
 ) -> Callable:
     """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in;
     `on_inference` sees an inference graph (AOTAutograd's, before codegen), which no
-    partitioner does."""
+    partitioner does. `schedules` receives the forward's and backward's schedules as this
+    compile built them (none for a graph Inductor's FX graph cache had: it lowers nothing)."""
+    expected: dict[int, tuple[bool, tuple[str | None, ...]]] = {}
 
     def inner_compile(graph, inputs, **kwargs):
-        if kwargs.get("is_inference") and on_inference is not None:
-            on_inference(graph)
+        if kwargs.get("is_inference"):
+            if on_inference is not None:
+                on_inference(graph)
+        elif schedules is not None:
+            outputs = graph.graph.find_nodes(op="output")[0].args[0]
+            views = graph.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+            expected[id(graph)] = (bool(kwargs.get("is_backward")),
+                                   tuple(a.name if isinstance(a, fx.Node) else None for a in outputs),
+                                   frozenset(n.name for n in views))
         return _compile_fx_inner(graph, inputs, **kwargs)
 
     # the backward lowers with the forward (aot_settings): both inside the rules' scope
-    with aot_settings(), inductor_rules():
-        return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                           config_patches={"custom_partitioner_fn": partitioner})
+    token = _CAPTURE.set((expected, schedules) if schedules is not None else None)
+    try:
+        with aot_settings(), inductor_rules():
+            return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                               config_patches={"custom_partitioner_fn": partitioner})
+    finally:
+        _CAPTURE.reset(token)
 
 
 def _boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any) -> Callable:
@@ -737,15 +804,9 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
     in the order its wrapper runs them, as plain data (memcompile.passes.inductor_schedule):
     lowering and scheduling (fusion, reordering for peak memory), no code generation."""
     from torch._guards import detect_fake_mode
-    from torch._inductor import ir
     from torch._inductor.debug import DebugContext
-    from torch._inductor.dependencies import MemoryDep
     from torch._inductor.graph import GraphLowering
-    from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.virtualized import V
-
-    from memcompile import transfer_ops
-    from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
 
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example)
@@ -763,147 +824,158 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         graph.run(*example)
         graph.init_wrapper_code()
         graph._update_scheduler()
-        hint = graph.sizevars.optimization_hint
+        return _schedule_of(graph)
 
-        def transfer_op(node):
-            """Our transfer op (memcompile/transfer_ops.py) that made `node`, if any."""
-            kernel = node.inputs[0] if isinstance(node, ir.MultiOutput) and node.inputs else node
-            op = getattr(kernel, "op_overload", None)
-            return (op, kernel) if op in (transfer_ops.COPY_TO_HOST, transfer_ops.WAIT_COPY) else (None, None)
 
-        def base_of(name: str, depth: int = 0) -> str:
-            """The buffer whose storage `name` uses (views into a concat, mutation results, the
-            alias a transfer wait returns)."""
-            buf = graph.scheduler.name_to_buf.get(name)
-            if buf is None or depth > 32:
-                return name
-            op, kernel = transfer_op(buf.node)
-            if op is transfer_ops.WAIT_COPY and kernel.inputs:
-                return base_of(kernel.inputs[0].get_name(), depth + 1)
-            node, layout = buf.node, buf.node.get_output_spec()
-            if isinstance(layout, ir.NonOwningLayout):
-                return base_of(layout.view.get_name(), depth + 1)
-            if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
-                return base_of(layout.get_buffer().get_name(), depth + 1)
-            mutated = node.get_mutation_names()
-            if isinstance(node, ir.MutationOutput) and mutated:
-                return base_of(mutated[0], depth + 1)
+def _schedule_of(graph):
+    """The kernels of a lowered and scheduled GraphLowering (the current V.graph), as plain data."""
+    from torch._inductor import ir
+    from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    from memcompile import transfer_ops
+    from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
+
+    hint = graph.sizevars.optimization_hint
+
+    def transfer_op(node):
+        """Our transfer op (memcompile/transfer_ops.py) that made `node`, if any."""
+        kernel = node.inputs[0] if isinstance(node, ir.MultiOutput) and node.inputs else node
+        op = getattr(kernel, "op_overload", None)
+        return (op, kernel) if op in (transfer_ops.COPY_TO_HOST, transfer_ops.WAIT_COPY) else (None, None)
+
+    def base_of(name: str, depth: int = 0) -> str:
+        """The buffer whose storage `name` uses (views into a concat, mutation results, the
+        alias a transfer wait returns)."""
+        buf = graph.scheduler.name_to_buf.get(name)
+        if buf is None or depth > 32:
             return name
+        op, kernel = transfer_op(buf.node)
+        if op is transfer_ops.WAIT_COPY and kernel.inputs:
+            return base_of(kernel.inputs[0].get_name(), depth + 1)
+        node, layout = buf.node, buf.node.get_output_spec()
+        if isinstance(layout, ir.NonOwningLayout):
+            return base_of(layout.view.get_name(), depth + 1)
+        if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+            return base_of(layout.get_buffer().get_name(), depth + 1)
+        mutated = node.get_mutation_names()
+        if isinstance(node, ir.MutationOutput) and mutated:
+            return base_of(mutated[0], depth + 1)
+        return name
 
-        def nbytes(node) -> int:
-            if transfer_op(node)[0] is transfer_ops.COPY_TO_HOST:
-                return 0  # host memory (on the CPU test switch, standing in for it)
-            return int(hint(graph.get_allocation_storage_size(node))) * node.get_dtype().itemsize
+    def nbytes(node) -> int:
+        if transfer_op(node)[0] is transfer_ops.COPY_TO_HOST:
+            return 0  # host memory (on the CPU test switch, standing in for it)
+        return int(hint(graph.get_allocation_storage_size(node))) * node.get_dtype().itemsize
 
-        # Members of a multi-output library call (sdpa's outputs...) are allocated by the call.
-        members: dict[str, list[str]] = {}
-        for name, buf in graph.scheduler.name_to_buf.items():
-            if isinstance(buf.node, ir.MultiOutput) and buf.node.inputs:
-                members.setdefault(buf.node.inputs[0].get_name(), []).append(name)
+    # Members of a multi-output library call (sdpa's outputs...) are allocated by the call.
+    members: dict[str, list[str]] = {}
+    for name, buf in graph.scheduler.name_to_buf.items():
+        if isinstance(buf.node, ir.MultiOutput) and buf.node.inputs:
+            members.setdefault(buf.node.inputs[0].get_name(), []).append(name)
 
-        def storages_read(names) -> list[str]:
-            out: list[str] = []
-            for name in names:
-                base = base_of(name)
-                out.extend(members.get(base, [base]))
-            return list(dict.fromkeys(out))
+    def storages_read(names) -> list[str]:
+        out: list[str] = []
+        for name in names:
+            base = base_of(name)
+            out.extend(members.get(base, [base]))
+        return list(dict.fromkeys(out))
 
-        kernel_of = {sub.get_name(): i for i, sn in enumerate(graph.scheduler.nodes) for sub in sn.get_nodes()}
-        call_groups = _cpp_call_groups(graph.scheduler)
-        kernels = []
-        generated_kernels: set[int] = set()
-        for index, snode in enumerate(graph.scheduler.nodes):
-            outputs = [b.get_name() for b in snode.get_outputs()]
-            allocates = []
-            for name in outputs:
-                node = graph.scheduler.name_to_buf[name].node
-                layout = node.get_output_spec()
-                if base_of(name) != name or isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)):
-                    continue  # an alias, or a tuple whose members are counted below
-                if isinstance(node, ir.MultiOutput):
-                    continue  # allocated by its producer
-                allocates.append(ScheduledBuffer(name, nbytes(node), str(node.get_dtype())))
-            for name in outputs:
-                for member in members.get(name, ()):
-                    node = graph.scheduler.name_to_buf[member].node
-                    allocates.append(ScheduledBuffer(member, nbytes(node), str(node.get_dtype())))
-            deps = list(snode.read_writes.reads) + list(snode.read_writes.writes)
-            reads = [n for n in storages_read(d.name for d in deps) if n not in {b.name for b in allocates}]
-            if any(isinstance(graph.scheduler.name_to_buf[o].node, ir.MultiOutput) for o in outputs):
-                reads = storages_read(outputs) + reads  # the tuple holds every member until here
-            extern = isinstance(snode, ExternKernelSchedulerNode)
-            generated = not extern and not isinstance(snode, NopKernelSchedulerNode)
-            if generated:
-                generated_kernels.add(index)
-            candidates: list[tuple[str, str]] = []
-            if generated:
-                # Scheduler.decide_inplace_update: a result may be written over an input whose
-                # only use left is this very node (each node of a fused kernel is a use of its
-                # own), read there at the index written, by a kernel the wrapper allocates for.
-                allocated = {b.name for b in allocates}
-                members_of_kernel = {id(n) for n in snode.get_nodes()}
-                for sub in snode.get_nodes():
-                    for out in sub.get_outputs():
-                        if out.get_name() not in allocated:
+    kernel_of = {sub.get_name(): i for i, sn in enumerate(graph.scheduler.nodes) for sub in sn.get_nodes()}
+    call_groups = _cpp_call_groups(graph.scheduler)
+    kernels = []
+    generated_kernels: set[int] = set()
+    for index, snode in enumerate(graph.scheduler.nodes):
+        outputs = [b.get_name() for b in snode.get_outputs()]
+        allocates = []
+        for name in outputs:
+            node = graph.scheduler.name_to_buf[name].node
+            layout = node.get_output_spec()
+            if base_of(name) != name or isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)):
+                continue  # an alias, or a tuple whose members are counted below
+            if isinstance(node, ir.MultiOutput):
+                continue  # allocated by its producer
+            allocates.append(ScheduledBuffer(name, nbytes(node), str(node.get_dtype())))
+        for name in outputs:
+            for member in members.get(name, ()):
+                node = graph.scheduler.name_to_buf[member].node
+                allocates.append(ScheduledBuffer(member, nbytes(node), str(node.get_dtype())))
+        deps = list(snode.read_writes.reads) + list(snode.read_writes.writes)
+        reads = [n for n in storages_read(d.name for d in deps) if n not in {b.name for b in allocates}]
+        if any(isinstance(graph.scheduler.name_to_buf[o].node, ir.MultiOutput) for o in outputs):
+            reads = storages_read(outputs) + reads  # the tuple holds every member until here
+        extern = isinstance(snode, ExternKernelSchedulerNode)
+        generated = not extern and not isinstance(snode, NopKernelSchedulerNode)
+        if generated:
+            generated_kernels.add(index)
+        candidates: list[tuple[str, str]] = []
+        if generated:
+            # Scheduler.decide_inplace_update: a result may be written over an input whose
+            # only use left is this very node (each node of a fused kernel is a use of its
+            # own), read there at the index written, by a kernel the wrapper allocates for.
+            allocated = {b.name for b in allocates}
+            members_of_kernel = {id(n) for n in snode.get_nodes()}
+            for sub in snode.get_nodes():
+                for out in sub.get_outputs():
+                    if out.get_name() not in allocated:
+                        continue
+                    for read in dict.fromkeys(d.name for d in sub.read_writes.reads):
+                        donor = graph.scheduler.name_to_donated_buffer.get(read) or \
+                            graph.scheduler.name_to_buf.get(read)
+                        if donor is None or donor.node is None or isinstance(
+                                donor.node.get_output_spec(),
+                                (ir.NoneLayout, ir.MultiOutputLayout, ir.MutationLayoutSHOULDREMOVE)):
                             continue
-                        for read in dict.fromkeys(d.name for d in sub.read_writes.reads):
-                            donor = graph.scheduler.name_to_donated_buffer.get(read) or \
-                                graph.scheduler.name_to_buf.get(read)
-                            if donor is None or donor.node is None or isinstance(
-                                    donor.node.get_output_spec(),
-                                    (ir.NoneLayout, ir.MultiOutputLayout, ir.MutationLayoutSHOULDREMOVE)):
-                                continue
-                            if isinstance(getattr(donor, "defining_op", None), NopKernelSchedulerNode):
-                                continue
-                            # uses by kernels run before, or by nodes this one depends on, are done
-                            remaining = [u for u in donor.users if not isinstance(u.node, BaseSchedulerNode)
-                                         or (kernel_of.get(u.node.get_name(), -1) >= index
-                                             and u.node.get_name() not in sub.ancestors)]
-                            if (len(remaining) == 1 and remaining[0].node is sub and remaining[0].can_inplace
-                                    and _one_access_in_kernel(read, donor, members_of_kernel)):
-                                # the first eligible read wins, even a buffer of this kernel the
-                                # check counts as kernel-local (then no other input is donated):
-                                # GPT-2's fused tanh backward took its own 1 MiB buffer, not its input
-                                candidates.append((out.get_name(), base_of(read)))
-                                break
-            node = snode.node
-            origin = getattr(node, "origin_node", None) if node is not None else None
-            if origin is None and outputs:
-                origin = getattr(graph.scheduler.name_to_buf[outputs[0]].node, "origin_node", None)
-            if extern and origin is None and node is not None:
-                # a library call returning a tuple: the FX node that calls the same op
-                op = getattr(node, "op_overload", None)
-                origin = next((o for o in node.origins if o.target is op), None) if op is not None else None
-            wrapper_allocates = generated or isinstance(snode, NopKernelSchedulerNode) or isinstance(
-                node, ir.ExternKernelOut)
-            kernels.append(ScheduledKernel(
-                index=index, name=origin.name if origin is not None else snode.get_name(),
-                allocates=tuple(allocates), reads=tuple(reads), in_place_candidates=tuple(candidates),
-                wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else "",
-                call_group=call_groups[index], library_call=extern))
+                        if isinstance(getattr(donor, "defining_op", None), NopKernelSchedulerNode):
+                            continue
+                        # uses by kernels run before, or by nodes this one depends on, are done
+                        remaining = [u for u in donor.users if not isinstance(u.node, BaseSchedulerNode)
+                                     or (kernel_of.get(u.node.get_name(), -1) >= index
+                                         and u.node.get_name() not in sub.ancestors)]
+                        if (len(remaining) == 1 and remaining[0].node is sub and remaining[0].can_inplace
+                                and _one_access_in_kernel(read, donor, members_of_kernel)):
+                            # the first eligible read wins, even a buffer of this kernel the
+                            # check counts as kernel-local (then no other input is donated):
+                            # GPT-2's fused tanh backward took its own 1 MiB buffer, not its input
+                            candidates.append((out.get_name(), base_of(read)))
+                            break
+        node = snode.node
+        origin = getattr(node, "origin_node", None) if node is not None else None
+        if origin is None and outputs:
+            origin = getattr(graph.scheduler.name_to_buf[outputs[0]].node, "origin_node", None)
+        if extern and origin is None and node is not None:
+            # a library call returning a tuple: the FX node that calls the same op
+            op = getattr(node, "op_overload", None)
+            origin = next((o for o in node.origins if o.target is op), None) if op is not None else None
+        wrapper_allocates = generated or isinstance(snode, NopKernelSchedulerNode) or isinstance(
+            node, ir.ExternKernelOut)
+        kernels.append(ScheduledKernel(
+            index=index, name=origin.name if origin is not None else snode.get_name(),
+            allocates=tuple(allocates), reads=tuple(reads), in_place_candidates=tuple(candidates),
+            wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else "",
+            call_group=call_groups[index], library_call=extern))
 
-        outputs: list[str | None] = []
-        for value in graph.graph_outputs:
-            if isinstance(value, (ir.NoneAsConstantBuffer, ir.ShapeAsConstantBuffer)):
-                outputs.append(None)
-                continue
-            try:
-                outputs.append(base_of(value.get_name()))
-            except (AttributeError, NotImplementedError):
-                outputs.append(None)
-        # A generated kernel's result that no other kernel reads and the graph does not return is
-        # kept in registers: its code generation removes the buffer (remove_kernel_local_buffers).
-        read_elsewhere = {n for k in kernels for n in k.reads} | {o for o in outputs if o is not None}
-        read_elsewhere |= _outer_loop_fused_kept_buffers(graph.scheduler.nodes)
-        kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
-                   if k.index in generated_kernels else k
-                   for k in kernels]
-        # What the wrapper reuses a freed buffer by includes its alignment (buffer_reuse_key).
-        unaligned = set(graph.unaligned_buffers)
-        kernels = [dataclasses.replace(k, allocates=tuple(dataclasses.replace(b, aligned=False)
-                                                          if b.name in unaligned else b for b in k.allocates))
-                   for k in kernels]
-        peak_estimate = _inductor_peak_estimate(graph)
+    outputs: list[str | None] = []
+    for value in graph.graph_outputs:
+        if isinstance(value, (ir.NoneAsConstantBuffer, ir.ShapeAsConstantBuffer)):
+            outputs.append(None)
+            continue
+        try:
+            outputs.append(base_of(value.get_name()))
+        except (AttributeError, NotImplementedError):
+            outputs.append(None)
+    # A generated kernel's result that no other kernel reads and the graph does not return is
+    # kept in registers: its code generation removes the buffer (remove_kernel_local_buffers).
+    read_elsewhere = {n for k in kernels for n in k.reads} | {o for o in outputs if o is not None}
+    read_elsewhere |= _outer_loop_fused_kept_buffers(graph.scheduler.nodes)
+    kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
+               if k.index in generated_kernels else k
+               for k in kernels]
+    # What the wrapper reuses a freed buffer by includes its alignment (buffer_reuse_key).
+    unaligned = set(graph.unaligned_buffers)
+    kernels = [dataclasses.replace(k, allocates=tuple(dataclasses.replace(b, aligned=False)
+                                                      if b.name in unaligned else b for b in k.allocates))
+               for k in kernels]
+    peak_estimate = _inductor_peak_estimate(graph)
     return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate,
                             unaligned_inputs=frozenset(n for n in unaligned if n in graph.graph_inputs))
 

@@ -35,9 +35,8 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
-from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, held_bytes, plan_joint_graph,
-                                planning_environment,
-                                predicted_inference_peak)
+from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, held_bytes,
+                                plan_joint_graph, planning_environment, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter
 
@@ -269,7 +268,9 @@ class _Region:
 
         def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
             variant = self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
-                                    PlanRequest(least_peak=cautious, search_least_peak=search_least_peak))
+                                    PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
+                                                defer_check=backend.options.codegen == "inductor"
+                                                and not backend.plan_only))
             self.searched_least_peak = search_least_peak  # the request the kept compile made (a ladder replays it)
             return variant
 
@@ -509,15 +510,30 @@ class _Region:
         record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites(),
                                 rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)),
                                 input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
+        schedules: list[tp.CompiledSchedule] = []  # the compile's own, for a plan chosen on a bound
         token = _RECORD.set(record)
         try:
             # op timing runs while the compile's own copies are live (counted in the reserve or not)
             headroom = _headroom_bytes(options, example_inputs) - (self.backend.compile_scratch - options.compile_scratch_bytes)
             with planning_sizes(self.sizes), timing_allocation_limit(headroom), \
                     check_memo.remembering(self.backend.checks):
-                fn = self.backend.compile_graph(gm, example_inputs, options)
+                fn = self.backend.compile_graph(gm, example_inputs, options, schedules)
         finally:
             _RECORD.reset(token)
+        if request.deferred is not None:
+            confirmed = confirm_on_compile(request.deferred, schedules, record.plan)
+            request.deferred = None
+            if confirmed is None:
+                # over the budget on the compiled schedule (or none built: a cached compile):
+                # planned again, every candidate checked before it is compiled
+                self.backend.deferred_checks_failed += 1
+                log.info("memcompile: %s: PyTorch's partition, chosen on a bound, was not confirmed by its "
+                         "compiled schedule; planning again with checks", record.plan.graph_id)
+                self._forget_plan(record.plan)
+                again = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
+                return self._compile(key, outside, again, example_inputs, dataclasses.replace(request, defer_check=False))
+            self.backend.plans[:] = [confirmed if p is record.plan else p for p in self.backend.plans]
+            record.plan = confirmed
         if record.inference_peak_bytes is not None:
             _check_inference_peak(record.inference_peak_bytes, options)
         variant = _Variant(fn, record.plan, record.inputs,
@@ -860,6 +876,7 @@ class Backend:
         self.ledger = StepLedger()
         self.compiles = 0  # graphs compiled (first compiles and re-plans)
         self.checks = check_memo.CheckMemo()  # checks of planned graphs made for this backend
+        self.deferred_checks_failed = 0  # plans chosen on a bound that their compiled schedule did not confirm
         # What compiling a graph at a call holds on the step's device (set with the workspaces):
         # counted where a region compiles beside what other regions hold.
         self.compile_scratch = 0
@@ -1129,7 +1146,9 @@ class Backend:
             log.warning("%s", message)
             warnings.warn(message, UnplannedFrameWarning, stacklevel=2)
 
-    def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> Callable:
+    def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                      schedules: list[tp.CompiledSchedule] | None = None) -> Callable:
+        """The compiled region; under Inductor, `schedules` receives the schedules it built."""
         partitioner = Partitioner(options, self.id)
 
         def on_inference(graph: fx.GraphModule) -> None:
@@ -1138,7 +1157,7 @@ class Backend:
                 record.inference_peak_bytes = predicted_inference_peak(graph, options.allocator_rounding)
 
         if options.codegen == "inductor":
-            return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference)
+            return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference, schedules)
 
         def partition_fn(joint, joint_inputs, **kwargs):
             return partitioner(joint, joint_inputs, **kwargs)

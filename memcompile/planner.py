@@ -8,6 +8,7 @@ and it solves again, so the plan returned always has predicted peak <= budget.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 from typing import Callable
@@ -71,6 +72,9 @@ class _Attempt:
     forward: fx.GraphModule
     backward: fx.GraphModule
     timeline: LivenessTimeline
+    # False: `timeline` is a bound in graph order, not the schedule check; the compile's own
+    # schedule checks it (PlanRequest.defer_check)
+    checked: bool = True
 
 
 def _store_options(options: Options, device: str) -> StoreOptions:
@@ -343,7 +347,10 @@ def _plan_joint_graph(
         if key is not None:
             plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome("no_fit"))
         raise
-    if key is not None:
+    if key is not None and asked.deferred is not None:
+        # stored once the compile's schedule has checked it (confirm_on_compile)
+        asked.deferred = dataclasses.replace(asked.deferred, store=(options.plan_store_dir, key, plan, asked.solution))
+    elif key is not None:
         solution, replanner = asked.solution, asked.replanner
         names: tuple[str, ...] = ()
         if isinstance(solution, ActivationSolution):
@@ -421,7 +428,8 @@ def _search(
         # schedule of the whole graph (70 of GPT-2 124M's 400 s first call, each, on a busy core).
         logs.stage(f"{graph_id}: checking plain Inductor's partition")
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                                          options.allocator_rounding, options.boundary_bytes)
+                                          options.allocator_rounding, options.boundary_bytes,
+                                          budget if request is not None and request.defer_check else None)
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             plain = None
@@ -467,6 +475,8 @@ def _search(
     sol = chosen.solution
     if request is not None:
         request.solution = sol
+        request.deferred = None if chosen.checked else DeferredCheck(
+            num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget)
     plan = Plan(
         graph_id=graph_id,
         budget_bytes=options.budget_bytes,
@@ -756,8 +766,63 @@ class PlanRequest:
     search_least_peak: bool = True
     decisions: ActivationSolution | StockSolution | None = None  # run these decisions (an option chosen for the whole step)
     fingerprint: tuple | None = None  # of the problem `decisions` index; ignored if this graph differs
+    # PyTorch's default partition may be chosen on a bound, its check left to the compile's own
+    # schedule (confirm_on_compile), where the compile that follows builds one (Inductor)
+    defer_check: bool = False
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
     solution: ActivationSolution | StockSolution | None = None  # out: the decisions the plan runs
+    deferred: "DeferredCheck | None" = None  # out: the plan awaits the compile's check
+
+
+@dataclass(frozen=True)
+class DeferredCheck:
+    """A plan chosen on a bound, to be checked on the schedule its compile builds."""
+
+    num_fwd_outputs: int
+    rounding: AllocatorRounding
+    boundary_bytes: int
+    budget_bytes: int  # the step budget its checked peak must be within
+    store: tuple | None = None  # (folder, key, plan as planned, solution): a plan store entry once checked
+
+
+def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> Plan | None:
+    """`plan` with the liveness of the schedules its compile built (tp.compile_with_inductor's
+    `schedules`), where that peak is within the budget; None where it is not, or where the
+    compile built no schedule (Inductor's FX graph cache had the code): then plan with checks."""
+    forward = next((s for s in schedules if not s.is_backward), None)
+    backward = next((s for s in schedules if s.is_backward), None)
+    if forward is None or backward is None:
+        return None
+    # the liveness models the wrapper's buffer reuse as the rules the graphs compiled under
+    with tp.stock_inductor_rules() if plan.stock_inductor_rules else contextlib.nullcontext():
+        timeline = with_held_at_backward_start(
+            analyze_scheduled_liveness(forward.as_checked(), backward.as_checked(), deferred.num_fwd_outputs,
+                                       forward.schedule, backward.schedule, saved_names=forward.output_names,
+                                       rounding=deferred.rounding),
+            deferred.boundary_bytes)
+    log.debug("memcompile: %s: the compiled schedule peaks at %s (graph-order bound %s, step budget %s)",
+              plan.graph_id, format_bytes(timeline.peak_bytes), format_bytes(plan.predicted_peak_bytes),
+              format_bytes(deferred.budget_bytes))
+    if timeline.peak_bytes > deferred.budget_bytes:
+        return None
+    if deferred.store is not None:
+        folder, key, planned, solution = deferred.store
+        plan_store.save(folder, key, plan_store.StoredOutcome("plan", plan=_with_timeline(planned, timeline),
+                                                              solution=solution))
+    return _with_timeline(plan, timeline)
+
+
+def _with_timeline(plan: Plan, timeline: LivenessTimeline) -> Plan:
+    """A plan whose graphs were planned as they are (nothing recomputed by us), with `timeline`
+    as its liveness before and after."""
+    return dataclasses.replace(
+        plan, predicted_peak_before_bytes=timeline.peak_bytes, predicted_peak_bytes=timeline.peak_bytes,
+        peak_phase=timeline.peak_step.phase, peak_node=timeline.peak_step.node,
+        peak_breakdown=timeline.peak_breakdown,
+        live_bytes_before=tuple(s.live_bytes for s in timeline.steps),
+        live_bytes_after=tuple(s.live_bytes for s in timeline.steps),
+        live_categories_after=timeline.category_series(), peak_tensors=timeline.peak_tensors,
+        backward_from_step=timeline.backward_start())
 
 
 def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
@@ -770,21 +835,32 @@ def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
 
 
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                              rounding: AllocatorRounding, boundary_bytes: int = 0) -> "_Attempt | None":
+                              rounding: AllocatorRounding, boundary_bytes: int = 0,
+                              screen_budget: int | None = None) -> "_Attempt | None":
     """PyTorch's default partition (activation_memory_budget=1.0), checked as plain Inductor
-    compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked."""
+    compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked.
+    With `screen_budget`: where the graphs peak within it in graph order with every value a
+    buffer (a bound above every schedule we measured), they are not checked here (the attempt
+    is unchecked: the compile's own schedule checks it)."""
     try:
         fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=1.0,
                                     num_fwd_outputs=num_fwd_outputs,
                                     static_lifetime_input_indices=static_lifetime_input_indices)
+        rows = _stock_decisions(fw, 1.0, num_fwd_outputs)
+        # added time 0: the 1.0 partition is the baseline the other partitions' added times count from
+        solution = StockSolution(1.0, 0.0, sum(r.held_bytes for r in rows), rows)
+        if screen_budget is not None and not (_has_symbolic_sizes(fw) or _has_symbolic_sizes(bw)):
+            # (symbolic sizes: the compile schedules at the trace's sizes, not those planned for)
+            bound = with_held_at_backward_start(analyze_liveness(fw, bw, num_fwd_outputs, rounding=rounding),
+                                                boundary_bytes)
+            if bound.peak_bytes <= screen_budget:
+                return _Attempt(solution, fw, bw, bound, checked=False)
         with tp.stock_inductor_rules():
             timeline = predicted_liveness(fw, bw, num_fwd_outputs, True, rounding, boundary_bytes)
     except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
         log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
         return None
-    rows = _stock_decisions(fw, 1.0, num_fwd_outputs)
-    # added time 0: the 1.0 partition is the baseline the other partitions' added times count from
-    return _Attempt(StockSolution(1.0, 0.0, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
+    return _Attempt(solution, fw, bw, timeline)
 
 
 class DeferredReplanner:
