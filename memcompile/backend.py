@@ -279,6 +279,15 @@ class _Region:
         defer = not cautious and outside <= 0 and bool(self._pending_rewrites())
         # An earlier launch's ladder for this graph goes straight to the rewrites it ended with.
         ladder_key = self._ladder_key(outside) if defer else None
+        # ... or raises what it ended with, where no graph of it fitted (each rung traced and
+        # searched again otherwise: GPT style, 12 layers, a later launch 4.8x plain Inductor's).
+        refused_key = self._ladder_key(outside, f"refused position={position}") if defer else None
+        refused = plan_store.load(backend.options.plan_store_dir, refused_key) if refused_key else None
+        if refused is not None and refused.kind == "infeasible":
+            logs.stage("no graph of this region's rewrite ladder fitted this budget in an earlier launch (plan store)")
+            raise InfeasibleBudgetError(refused.error_message, budget_bytes=backend.options.budget_bytes,
+                                        min_feasible_bytes=refused.min_feasible_bytes,
+                                        contributors=refused.contributors, whole_step=refused.whole_step)
         replayed = self._replay_ladder(ladder_key, position, outside, compile_for) if ladder_key else None
         if replayed is not None:
             self._first = replayed
@@ -293,11 +302,13 @@ class _Region:
             backend.compiled_ahead += 1
             return
         except NoSolverPlanFits:
-            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=None, coarse=not cautious)
+            self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
+                position, outside, compile_for, whole_error=None, coarse=not cautious))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
-            self._first = self._plan_rewritten(position, outside, compile_for, whole_error=error, coarse=not cautious)
+            self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
+                position, outside, compile_for, whole_error=error, coarse=not cautious))
         else:
             if not cautious:
                 device = backend.options.device or step_device(example_inputs)
@@ -310,6 +321,17 @@ class _Region:
         # and counting it made the retried compile of a one-region step cautious (its least peak).
         backend.compiled_ahead += 1
         self._current = (self._first, outside)
+
+    def _refused_or(self, refused_key: str | None, plan: Callable[[], _Variant]) -> _Variant:
+        """plan(); where it raises InfeasibleBudgetError, that is stored under `refused_key` first."""
+        try:
+            return plan()
+        except InfeasibleBudgetError as error:
+            if refused_key is not None:
+                plan_store.save(self.backend.options.plan_store_dir, refused_key, plan_store.StoredOutcome(
+                    "infeasible", error_message=str(error), min_feasible_bytes=error.min_feasible_bytes,
+                    contributors=tuple(error.contributors), whole_step=error.whole_step))
+            raise
 
     def _pending_rewrites(self) -> list["_Rewrite"]:
         """The "auto" rewrites not applied yet that would change this region's graph."""
@@ -441,7 +463,7 @@ class _Region:
         self.pristine_graph = copy.deepcopy(gm.graph)
         return True
 
-    def _ladder_key(self, outside: int) -> str | None:
+    def _ladder_key(self, outside: int, what: str = "") -> str | None:
         """The plan store's key of this region's rewrite ladder: its Dynamo graph, the options,
         what others hold, the machine; None where not stored (symbolic sizes, no store)."""
         options = self.backend.options
@@ -449,7 +471,8 @@ class _Region:
             return None
         device = options.device or step_device(self.fake_inputs)
         return plan_store.outcome_key(self.gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
-                                      options_text=options.describe(), request_text=f"ladder outside={outside}",
+                                      options_text=options.describe(),
+                                      request_text=f"ladder outside={outside}" + (f" {what}" if what else ""),
                                       environment_text=planning_environment(device))
 
     def _replay_ladder(self, key: str, position: int, outside: int,

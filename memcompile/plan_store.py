@@ -61,6 +61,7 @@ class StoredOutcome:
     error_message: str = ""  # kind "infeasible"
     min_feasible_bytes: int = 0
     contributors: tuple[tuple[str, int], ...] = ()
+    whole_step: bool = True  # kind "infeasible": InfeasibleBudgetError.whole_step
 
 
 def default_directory() -> str:

@@ -731,3 +731,30 @@ def test_a_later_launch_goes_straight_to_the_chunked_head(tmp_path, monkeypatch)
     assert len(plannings) == 1, "the graph with the head whole was traced and looked up again"
     for a, b in zip(first_grads, again_grads):
         assert torch.equal(a, b)
+
+
+def test_a_later_launch_below_every_rungs_floor_raises_the_stored_error_without_planning(tmp_path, monkeypatch) -> None:
+    """Where no graph of the rewrite ladder fits, the plan store keeps the error it ended with: a
+    second launch raises it (same floor, same message) without tracing or planning any rung."""
+    from memcompile import planner, plan_cache
+
+    model, ids = _head_bound_lm()
+    chunked_floor, _ = budget_range(model, ids, chunk_loss=True)
+    budget = chunked_floor // 2
+    errors = []
+    for launch in range(2):
+        torch.compiler.reset()
+        plan_cache.clear()
+        if launch == 1:
+            def planned(*args, **kwargs):
+                raise AssertionError("a rung was planned again")
+            monkeypatch.setattr(planner, "_plan_joint_graph", planned)
+        backend, compiled = compile_under(model, budget, plan_store=str(tmp_path))
+        with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+            compiled(ids).backward()
+        errors.append(info.value)
+        if launch == 1:
+            assert backend.compiles == 0
+    first, again = errors
+    assert again.min_feasible_bytes == first.min_feasible_bytes > budget
+    assert str(again) == str(first) and again.whole_step == first.whole_step
