@@ -18,7 +18,7 @@ Models: `gpt_style` (benchmarks/gpt_style.py at GPT-2 small's width, vocabulary 
 blocks; the loop holds the logits through the backward), or a model of benchmarks/hf_models.py
 (--size gpu: the real config). Rows are appended to --out (JSON lines) as each variant ends; a run
 skips the variants the file already has for this commit and configuration, so an interrupted run goes
-on where it stopped. The table (--out with .md) holds the rows of this commit. One thread per
+on where it stopped. The table (--out with .md) holds every row of the file. One thread per
 process; absolute times depend on the machine and what else runs there: compare rows of one run.
 """
 
@@ -148,20 +148,20 @@ def run(args: argparse.Namespace, commit: str) -> None:
             file.write("".join(json.dumps(row) + "\n" for row in made))
 
 
-def table(rows: list[dict], commit: str) -> str:
-    lines = [f"# First call: first and later launch, plain Inductor against memcompile", "",
-             f"Commit {commit}, torch 2.13.0+cpu, one thread per process, a 2-core x86-64 VM. "
+def table(rows: list[dict], note: str = "") -> str:
+    lines = ["# First call: first and later launch, plain Inductor against memcompile", "",
+             f"{note}torch 2.13.0+cpu, one thread per process, a 2-core x86-64 VM, memcompile at the row's commit. "
              "Command: `OMP_NUM_THREADS=1 python benchmarks/first_call.py` with the configuration and variants "
              "in the rows (`--help`). Each launch in its own process; first launches with empty caches.", "",
-             "| model | layers | batch x seq | variant | launch | first call | / plain Inductor's, same launch "
-             "| measured peak | plan |",
-             "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- |"]
+             "| commit | model | layers | batch x seq | variant | launch | first call "
+             "| / plain Inductor's, same launch and commit | measured peak | plan |",
+             "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- |"]
     for r in rows:
         plain = next((p["first_call_s"] for p in rows if p["spec"] == "plain" and p["launch"] == r["launch"]
-                      and all(p[k] == r[k] for k in ("model", "size", "layers", "batch", "seq"))), None)
+                      and all(p[k] == r[k] for k in ("commit", "model", "size", "layers", "batch", "seq"))), None)
         ratio = f"{r['first_call_s'] / plain:.2f}x" if plain else "-"
         peak = f"{r['peak_bytes']:,} B" if r["peak_bytes"] else "-"
-        lines.append(f"| {r['model']} | {r['layers'] or '-'} | {r['batch']} x {r['seq']} | {r['variant']} | "
+        lines.append(f"| {r['commit']} | {r['model']} | {r['layers'] or '-'} | {r['batch']} x {r['seq']} | {r['variant']} | "
                      f"{r['launch']} | {r['first_call_s']:.1f} s | {ratio} | {peak} | {r['status']} |")
     return "\n".join(lines) + "\n"
 
@@ -185,9 +185,9 @@ def main() -> None:
                             text=True).stdout.strip() or "unknown"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run(args, commit)
-    rows = [r for r in _rows(args.out) if r.get("commit") == commit]
-    args.out.with_suffix(".md").write_text(table(rows, commit))
-    print(table(rows, commit))
+    rows = [r for r in _rows(args.out) if "spec" in r]
+    args.out.with_suffix(".md").write_text(table(rows))
+    print(table(rows))
 
 
 if __name__ == "__main__":
