@@ -279,8 +279,8 @@ class _Region:
         defer = not cautious and outside <= 0 and bool(self._pending_rewrites())
         # An earlier launch's ladder for this graph goes straight to the rewrites it ended with.
         ladder_key = self._ladder_key(outside) if defer else None
-        # ... or raises what it ended with, where no graph of it fitted (each rung traced and
-        # searched again otherwise: GPT style, 12 layers, a later launch 4.8x plain Inductor's).
+        # ... or raises what it ended with, where no graph of it fitted: else a later launch traces
+        # and searches every rung again (benchmarks/first_call.py, its `of:0.5:plain` rows).
         refused_key = self._ladder_key(outside, f"refused position={position}") if defer else None
         refused = plan_store.load(backend.options.plan_store_dir, refused_key) if refused_key else None
         if refused is not None and refused.kind == "infeasible":
