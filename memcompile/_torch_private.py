@@ -206,7 +206,6 @@ class CompiledSchedule:
     graph: fx.GraphModule  # after Inductor's post-grad passes: the graph it lowered
     schedule: Any  # memcompile.passes.inductor_schedule.InductorSchedule
     output_names: tuple[str | None, ...]  # the graph's outputs' names before those passes (they rename some)
-
     view_names: frozenset[str] = frozenset()  # its `view` nodes before the compile
 
     def as_checked(self) -> fx.GraphModule:
@@ -482,7 +481,7 @@ def compile_with_inductor(
     `on_inference` sees an inference graph (AOTAutograd's, before codegen), which no
     partitioner does. `schedules` receives the forward's and backward's schedules as this
     compile built them (none for a graph Inductor's FX graph cache had: it lowers nothing)."""
-    expected: dict[int, tuple[bool, tuple[str | None, ...]]] = {}
+    expected: dict[int, tuple[bool, tuple[str | None, ...], frozenset[str]]] = {}
 
     def inner_compile(graph, inputs, **kwargs):
         if kwargs.get("is_inference"):

@@ -49,14 +49,10 @@ class CheckMemo:
     def __init__(self, capacity: int = _CAPACITY) -> None:
         self._capacity = capacity
         self._answers: collections.OrderedDict[str, object] = collections.OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def get(self, key: str | None) -> object | None:
         if key is None or key not in self._answers:
-            self.misses += key is not None
             return None
-        self.hits += 1
         self._answers.move_to_end(key)
         return self._answers[key]
 
@@ -67,9 +63,6 @@ class CheckMemo:
         self._answers.move_to_end(key)
         while len(self._answers) > self._capacity:
             self._answers.popitem(last=False)
-
-    def clear(self) -> None:
-        self._answers.clear()
 
 
 _CURRENT: contextvars.ContextVar[CheckMemo | None] = contextvars.ContextVar("memcompile_check_memo", default=None)
