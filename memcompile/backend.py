@@ -294,6 +294,14 @@ class _Region:
             backend.compiled_ahead += 1
             self._current = (self._first, outside)
             return
+        if defer and _inputs_and_gradients_bytes(example_inputs) > backend.options.step_budget_bytes:
+            # No plan of any graph of the ladder fits: the least peak of the most rewritten one is
+            # all that is searched, for the floor the error names (or a plan, if an input's
+            # gradient was counted that the step does not make).
+            self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
+                position, outside, compile_for, whole_error=None, coarse=False, only_last=True))
+            self._finish_first(ladder_key, outside)
+            return
         try:
             self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
         except StepOverrunError:
@@ -301,9 +309,10 @@ class _Region:
             # which raises the error where the user sees it, and plans again if the step is run again.
             backend.compiled_ahead += 1
             return
-        except NoSolverPlanFits:
+        except NoSolverPlanFits as no_fit:
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
-                position, outside, compile_for, whole_error=None, coarse=not cautious))
+                position, outside, compile_for, whole_error=None, coarse=not cautious,
+                whole_floor_at_least=no_fit.floor_at_least))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
@@ -314,12 +323,15 @@ class _Region:
                 device = backend.options.device or step_device(example_inputs)
                 for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
                     self._rewrite_if_faster(rewrite, position, outside, compile_for, device)
+        self._finish_first(ladder_key, outside)
+
+    def _finish_first(self, ladder_key: str | None, outside: int) -> None:
         if ladder_key is not None:
             self._store_ladder(ladder_key)
         # Counted once compiled: a compile Dynamo abandons (it restarts its analysis from inside
         # the backend, e.g. TensorifyScalarRestartAnalysis under dynamic=True) is never called,
         # and counting it made the retried compile of a one-region step cautious (its least peak).
-        backend.compiled_ahead += 1
+        self.backend.compiled_ahead += 1
         self._current = (self._first, outside)
 
     def _refused_or(self, refused_key: str | None, plan: Callable[[], _Variant]) -> _Variant:
@@ -339,7 +351,8 @@ class _Region:
                 and r.find(self.gm.graph)]
 
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
-                        whole_error: InfeasibleBudgetError | None, coarse: bool = True) -> _Variant:
+                        whole_error: InfeasibleBudgetError | None, coarse: bool = True,
+                        whole_floor_at_least: int = 0, only_last: bool = False) -> _Variant:
         """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
         (None: its least peak not searched yet): apply the pending rewrites one at a time (the
         loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
@@ -347,13 +360,19 @@ class _Region:
         searched (from the most rewritten: a least-peak plan of one may fit), and the error names
         the smallest of their smallest budgets. Deferring the searches saved 25 of a 63 s first
         call on Llama small at 9.91 MiB (benchmarks/compile_profile.py). With `coarse`, a
-        rewrite with coarser variants (_Rewrite.coarse_first) tries those first (_plan_coarse)."""
+        rewrite with coarser variants (_Rewrite.coarse_first) tries those first (_plan_coarse).
+        Once one graph's least peak is known, a graph whose NoSolverPlanFits says that no plan of
+        it fits the budget (`floor_at_least`; `whole_floor_at_least` for the graph as it is) is not
+        searched: the floor named is then the least of the graphs searched (a rewrite lowers the
+        floor, so a less rewritten graph's is seldom lower). With `only_last`, where the inputs
+        and their gradients alone are over the budget, only the most rewritten graph is planned."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
-        unsearched = [self._head_state()] if deferred else []
+        unsearched = [(self._head_state(), whole_floor_at_least)] if deferred and not only_last else []
         pending = self._pending_rewrites()
         for i, rewrite in enumerate(pending):
-            reason = f"no {'solver ' if deferred else ''}plan fits without it"
+            reason = ("the inputs and their gradients alone exceed the budget" if only_last
+                      else f"no {'solver ' if deferred else ''}plan fits without it")
             if coarse:
                 fitted = self._plan_coarse(rewrite, reason, position, outside, compile_for)
                 if fitted is not None:
@@ -364,13 +383,19 @@ class _Region:
             log.debug("memcompile: %s; chunking %s: %s", self.reasons[rewrite.attr], rewrite.what,
                       "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
             search = not deferred or i == len(pending) - 1
+            if only_last and not search:
+                continue
             try:
                 return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
-            except NoSolverPlanFits:
-                unsearched.append(self._head_state())
+            except NoSolverPlanFits as no_fit:
+                unsearched.append((self._head_state(), no_fit.floor_at_least))
             except InfeasibleBudgetError as error:
                 errors.append(error)
-        for state in reversed(unsearched):
+        for state, floor_at_least in reversed(unsearched):
+            if errors and floor_at_least > self.backend.options.budget_bytes:
+                log.debug("memcompile: a graph of the ladder needs at least %d bytes: its least peak is not "
+                          "searched", floor_at_least)
+                continue
             self._restore_head_state(state)
             logs.rung("the least-peak search of the graphs tried")
             try:
@@ -839,6 +864,27 @@ def _freed_leaves(args: Sequence[Any], held_by_caller: Sequence[bool], inputs: I
         return sum(b for b, _ in gone), sum(b for b, g in gone if g)
 
     return freed
+
+
+def _inputs_and_gradients_bytes(example_inputs: Sequence[Any]) -> int:
+    """What every plan of a graph with these inputs holds as its backward ends: each input's
+    storage once (the caller holds the inputs, parameters live through the step) and a gradient
+    of each input that requires one. 0 where storages cannot be told apart (fake tensors, and
+    subclasses such as DTensor, whose gradient may not be their size)."""
+    storages: dict[int, int] = {}
+    gradients = 0
+    for t in example_inputs:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return 0
+        storage = t.untyped_storage()
+        if storage.nbytes() and not storage.data_ptr():
+            return 0
+        storages[storage.data_ptr()] = storage.nbytes()
+        if t.requires_grad:
+            gradients += t.numel() * t.element_size()
+    return sum(storages.values()) + gradients
 
 
 def _raising(error: Exception) -> Callable:

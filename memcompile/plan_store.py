@@ -59,7 +59,7 @@ class StoredOutcome:
     solution: Any = None  # kind "plan": ActivationSolution | StockSolution (decisions by candidate index)
     candidate_names: tuple[str, ...] = ()  # the problem's candidates the indices refer to (checked on a hit)
     error_message: str = ""  # kind "infeasible"
-    min_feasible_bytes: int = 0
+    min_feasible_bytes: int = 0  # "infeasible": the floor named; "no_fit": NoSolverPlanFits.floor_at_least
     contributors: tuple[tuple[str, int], ...] = ()
     whole_step: bool = True  # kind "infeasible": InfeasibleBudgetError.whole_step
 

@@ -343,9 +343,10 @@ def _plan_joint_graph(
                 "infeasible", error_message=str(error), min_feasible_bytes=error.min_feasible_bytes,
                 contributors=tuple(error.contributors)))
         raise
-    except NoSolverPlanFits:
+    except NoSolverPlanFits as no_fit:
         if key is not None:
-            plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome("no_fit"))
+            plan_store.save(options.plan_store_dir, key,
+                            plan_store.StoredOutcome("no_fit", min_feasible_bytes=no_fit.floor_at_least))
         raise
     if key is not None and asked.deferred is not None:
         # stored once the compile's schedule has checked it (confirm_on_compile)
@@ -377,7 +378,7 @@ def _replay(stored: "plan_store.StoredOutcome", joint, joint_inputs, num_fwd_out
         raise InfeasibleBudgetError(stored.error_message, budget_bytes=options.budget_bytes,
                                     min_feasible_bytes=stored.min_feasible_bytes, contributors=stored.contributors)
     if stored.kind == "no_fit":
-        raise NoSolverPlanFits(options.step_budget_bytes)
+        raise NoSolverPlanFits(options.step_budget_bytes, stored.min_feasible_bytes)
     solution = stored.solution
     if isinstance(solution, StockSolution):
         fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=solution.fraction,
@@ -421,6 +422,7 @@ def _search(
                               options, device, made_plain[0] if made_plain else None)
 
     plain = None
+    beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
     if stock_candidates and (request is None or (request.decisions is None and not request.least_peak)):
         # Where plain Inductor's own partition fits under its own rules, it is the plan: the
         # fastest we measured at that memory, found with one check instead of three (keep-all,
@@ -432,7 +434,17 @@ def _search(
                                           budget if request is not None and request.defer_check else None)
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
+            beyond_plans = plain.timeline.most_besides_saved() if plain.checked else 0
             plain = None
+    if beyond_plans > budget and not request.least_peak:
+        # What the checked partition holds besides saved activations is over the budget at some
+        # step: no plan of this graph fits, so no other candidate is made or checked (GPT style,
+        # 12 layers, at plain Inductor's own peak: the tied embedding's gradients at the end of
+        # the backward, which only chunking the loss head lowers).
+        logs.stage(f"{graph_id}: no plan of this graph fits: {format_bytes(beyond_plans)} is live besides "
+                   "saved activations")
+        if not request.search_least_peak:
+            raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes)
     replanner = DeferredReplanner(make_replanner) if plain is not None else make_replanner()
     before = plain.timeline if plain is not None else replanner.keep_all.timeline
     if plain is None:
@@ -445,11 +457,11 @@ def _search(
             forced = replanner.attempt_for(request.decisions)
             if forced is not None and forced.timeline.peak_bytes <= budget:
                 chosen = forced
-    if chosen is None and not (request is not None and request.least_peak):
+    if chosen is None and not request.least_peak and beyond_plans <= budget:
         logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
-    if chosen is None and request is not None and not (request.search_least_peak or request.least_peak):
-        raise NoSolverPlanFits(budget)
+    if chosen is None and not (request.search_least_peak or request.least_peak):
+        raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes if beyond_plans else 0)
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
@@ -753,7 +765,14 @@ def _calibrated_to(analysis: JointAnalysis, checked: _Attempt) -> JointAnalysis:
 
 class NoSolverPlanFits(Exception):
     """No PyTorch partition or solver plan fits; the least-peak search (which may still find one,
-    and otherwise names the smallest budget) was not run, as PlanRequest.search_least_peak asked."""
+    and otherwise names the smallest budget) was not run, as PlanRequest.search_least_peak asked.
+    `floor_at_least`: a budget below which no plan of this graph fits (0: not known), so that a
+    ladder need not search this graph's least peak where another graph's is already lower."""
+
+    def __init__(self, budget_bytes: int, floor_at_least: int = 0) -> None:
+        super().__init__(budget_bytes)
+        self.budget_bytes = budget_bytes
+        self.floor_at_least = floor_at_least
 
 
 @dataclass

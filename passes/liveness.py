@@ -111,6 +111,15 @@ class LivenessTimeline:
             return ()
         return tuple((c, tuple(s.by_category[i] for s in self.steps)) for i, c in enumerate(CATEGORIES))
 
+    def most_besides_saved(self) -> int:
+        """The most bytes live at one step besides the saved activations (0: not recorded by
+        category). A plan of the same joint graph changes only what is saved (kept, recomputed,
+        stored in another form), and recomputing adds to the step that needs the value: no plan
+        of it peaks below this (up to how Inductor fuses and orders each plan's kernels)."""
+        saved = CATEGORIES.index(SAVED)
+        return max((s.live_bytes - s.by_category[saved] for s in self.steps
+                    if len(s.by_category) == len(CATEGORIES)), default=0)
+
     def backward_start(self) -> int:
         """The index of the first backward step (-1: none)."""
         return next((i for i, s in enumerate(self.steps) if s.phase == "backward"), -1)

@@ -758,3 +758,34 @@ def test_a_later_launch_below_every_rungs_floor_raises_the_stored_error_without_
     first, again = errors
     assert again.min_feasible_bytes == first.min_feasible_bytes > budget
     assert str(again) == str(first) and again.whole_step == first.whole_step
+
+
+def test_below_the_inputs_and_their_gradients_only_the_most_rewritten_graph_is_planned(monkeypatch) -> None:
+    """Where the step's inputs and their gradients alone exceed the budget, no graph of the
+    rewrite ladder fits: only the most rewritten one is traced and searched, for the floor the
+    error names; and a run at that floor fits it."""
+    from memcompile import planner, plan_cache
+
+    model, ids = _head_bound_lm()
+    fixed = sum(p.numel() * p.element_size() for p in model.parameters()) * 2 + ids.numel() * ids.element_size()
+    plannings = []
+    real = planner._plan_joint_graph
+    with monkeypatch.context() as patch:
+        patch.setattr(planner, "_plan_joint_graph", lambda *a, **k: plannings.append(1) or real(*a, **k))
+        torch.compiler.reset()
+        plan_cache.clear()
+        backend, compiled = compile_under(model, fixed // 2, plan_store=False)
+        with pytest.raises(memcompile.InfeasibleBudgetError) as info:
+            compiled(ids).backward()
+    assert len(plannings) == 1
+    floor = info.value.min_feasible_bytes
+    assert floor > fixed
+    torch.compiler.reset()
+    plan_cache.clear()
+    model.zero_grad(set_to_none=True)
+    backend, compiled = compile_under(model, floor, plan_store=False)
+    compiled(ids).backward()  # the compile (its planning's own allocations are not the step's)
+    model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
+    assert measured.peak_bytes <= floor
+    assert backend.plans[-1].graph_rewrites

@@ -11,11 +11,12 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import memcompile
 from memcompile import planner
 from memcompile.solver.activations import is_consistent, step_loads
-from tests.models import AttentionStack, ConvBN, MLP
+from tests.models import AttentionStack, ConvBN, MLP, WithLoss, build
 
 
 def _attempts(monkeypatch, model, x, limit, **options):
@@ -74,6 +75,39 @@ def test_least_peak_plan_is_modelled_close_to_its_check(monkeypatch):
         modelled = max(step_loads(analysis.problem, *solution.decisions))
         largest_output = max(analysis.problem.nbytes)
         assert modelled <= timeline.peak_bytes + largest_output
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking recompiles: too slow
+@given(arch=st.sampled_from(["mlp", "convbn", "attention", "multi_output"]), size=st.sampled_from([8, 16, 32]),
+       depth=st.integers(1, 3), batch=st.integers(2, 16), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_no_plan_peaks_below_what_keeping_everything_holds_besides_saved_activations(
+        monkeypatch, arch, size, depth, batch, dtype):
+    """The planner gives up on a graph, without making other candidates, where the partition
+    that recomputes nothing holds more than the budget besides saved activations at some step
+    (LivenessTimeline.most_besides_saved): every plan it then checks for the least peak, from
+    the model's own to recomputing all it can, peaks at least that high."""
+    model, x = build(arch, size, depth, batch, dtype)
+    checked = []
+    original = planner._rewrite_and_check
+
+    def check(*args, **kwargs):
+        attempt = original(*args, **kwargs)
+        checked.append(attempt)
+        return attempt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(planner, "_rewrite_and_check", check)
+        torch.compiler.reset()
+        step = torch.compile(WithLoss(model), backend=memcompile.budget(1, codegen="aot_eager", time_limit_s=5))
+        with pytest.raises(memcompile.InfeasibleBudgetError):
+            step(x).backward()
+    keep_all, *others = checked  # the planner's baseline, checked first
+    assert others and all(set(keep_all.solution.recompute) <= set(a.solution.recompute) for a in others)
+    bound = keep_all.timeline.most_besides_saved()
+    assert 0 < bound <= keep_all.timeline.peak_bytes
+    for attempt in others:
+        assert attempt.timeline.peak_bytes >= bound, (len(attempt.solution.recompute), attempt.solution.status)
 
 
 def test_the_smallest_budget_is_never_above_the_keep_all_check(monkeypatch):
