@@ -266,9 +266,10 @@ class _Region:
                 self.boundary_where = "not measured yet: the size of the outputs it returns that need a gradient"
                 backend.defaulted_boundaries.append(self)
 
-        def compile_for(o: int, search_least_peak: bool = True) -> _Variant:
+        def compile_for(o: int, search_least_peak: bool = True, partitions_only: bool = False) -> _Variant:
             variant = self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
                                     PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
+                                                partitions_only=partitions_only,
                                                 defer_check=backend.options.codegen == "inductor"
                                                 and not backend.plan_only))
             self.searched_least_peak = search_least_peak  # the request the kept compile made (a ladder replays it)
@@ -361,14 +362,17 @@ class _Region:
         the smallest of their smallest budgets. Deferring the searches saved 25 of a 63 s first
         call on Llama small at 9.91 MiB (benchmarks/compile_profile.py). With `coarse`, a
         rewrite with coarser variants (_Rewrite.coarse_first) tries those first (_plan_coarse).
-        Once one graph's least peak is known, a graph whose NoSolverPlanFits says that no plan of
-        it fits the budget (`floor_at_least`; `whole_floor_at_least` for the graph as it is) is not
-        searched: the floor named is then the least of the graphs searched (a rewrite lowers the
-        floor, so a less rewritten graph's is seldom lower). With `only_last`, where the inputs
-        and their gradients alone are over the budget, only the most rewritten graph is planned."""
+        Once one graph's least peak is known, the graphs before it are tried only for the least
+        peak of PyTorch's partitions (PlanRequest.partitions_only: a rewrite seldom raises the
+        solver's least peak, but a partition's kernel order can be lower: GPT style, 12 layers, the chunked head's
+        0.4 partition peaked 150 MB below the chunked MLPs' least-peak plan), and not where their
+        NoSolverPlanFits says no plan of them fits below the floor found (`floor_at_least`;
+        `whole_floor_at_least` for the graph as it is). With `only_last`, where the inputs and
+        their gradients alone are over the budget, the rungs before the last are not planned for
+        a fit, only so."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
-        unsearched = [(self._head_state(), whole_floor_at_least)] if deferred and not only_last else []
+        unsearched = [(self._head_state(), whole_floor_at_least)] if deferred else []
         pending = self._pending_rewrites()
         for i, rewrite in enumerate(pending):
             reason = ("the inputs and their gradients alone exceed the budget" if only_last
@@ -384,6 +388,7 @@ class _Region:
                       "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
             search = not deferred or i == len(pending) - 1
             if only_last and not search:
+                unsearched.append((self._head_state(), 0))
                 continue
             try:
                 return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
@@ -392,14 +397,15 @@ class _Region:
             except InfeasibleBudgetError as error:
                 errors.append(error)
         for state, floor_at_least in reversed(unsearched):
-            if errors and floor_at_least > self.backend.options.budget_bytes:
-                log.debug("memcompile: a graph of the ladder needs at least %d bytes: its least peak is not "
-                          "searched", floor_at_least)
+            if errors and floor_at_least >= min(e.min_feasible_bytes for e in errors):
+                log.debug("memcompile: a graph of the ladder needs at least %d bytes, no less than the floor "
+                          "found: not searched", floor_at_least)
                 continue
             self._restore_head_state(state)
-            logs.rung("the least-peak search of the graphs tried")
+            logs.rung("the least peak of PyTorch's partitions of the graphs before" if errors
+                      else "the least-peak search of the graphs tried")
             try:
-                return self._plan_for_position(position, outside, compile_for)
+                return self._plan_for_position(position, outside, lambda o: compile_for(o, True, bool(errors)))
             except InfeasibleBudgetError as error:
                 errors.append(error)
         raise min(errors, key=lambda e: e.min_feasible_bytes)

@@ -279,14 +279,25 @@ def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fw
         joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
         fuse=fuse, rounding=options.allocator_rounding,
     )
+    stock = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
+                              options, device, plain)
+    return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
+                     stock=stock)
+
+
+def _stock_partitions(joint, joint_inputs, analysis: JointAnalysis, profile, num_fwd_outputs: int,
+                      static_lifetime_input_indices, options: Options, device: str,
+                      plain: "_Attempt | None" = None) -> "StockPartitions | None":
+    """PyTorch's partitions of the joint graph where they are candidates (_stock_candidates)."""
+    if not _stock_candidates(options, device):
+        return None
     stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
                             {n.name for n in analysis.forward_nodes}, options.allocator_rounding,
                             _headroom_bytes(options.step_budget_bytes, joint_inputs),
-                            boundary_bytes=options.boundary_bytes) if _stock_candidates(options, device) else None
-    if stock is not None and plain is not None:
+                            boundary_bytes=options.boundary_bytes)
+    if plain is not None:
         stock.seed(1.0, plain.forward, plain.backward)
-    return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
-                     stock=stock)
+    return stock
 
 
 def experiment_switches() -> tuple[tuple[str, object], ...]:
@@ -320,7 +331,8 @@ def _plan_joint_graph(
     device = options.device or step_device(joint_inputs)
     key = None
     if options.plan_store_dir and (request is None or request.decisions is None):
-        flags = "-" if request is None else f"least_peak={request.least_peak} search={request.search_least_peak}"
+        flags = "-" if request is None else (f"least_peak={request.least_peak} search={request.search_least_peak}"
+                                             + (" partitions_only" if request.partitions_only else ""))
         key = plan_store.outcome_key(
             joint, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices,
             options_text=options.describe(), request_text=flags,
@@ -443,10 +455,7 @@ def _search(
                    f"hold {format_bytes(beyond_plans)}")
         if not request.search_least_peak:
             raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes)
-    replanner = DeferredReplanner(make_replanner) if plain is not None else make_replanner()
-    before = plain.timeline if plain is not None else replanner.keep_all.timeline
-    if plain is None:
-        analysis = replanner.analysis
+    replanner = DeferredReplanner(make_replanner)  # made where a candidate besides plain's is asked for
     chosen = plain
     solve_s = 0.0
     if request is not None:
@@ -455,11 +464,21 @@ def _search(
             forced = replanner.attempt_for(request.decisions)
             if forced is not None and forced.timeline.peak_bytes <= budget:
                 chosen = forced
-    if chosen is None and not request.least_peak and beyond_plans <= budget:
+    if chosen is None and not (request.least_peak or request.partitions_only) and beyond_plans <= budget:
         logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None and not (request.search_least_peak or request.least_peak):
         raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes if beyond_plans else 0)
+    if chosen is None and request.partitions_only and made_plain and stock_candidates:
+        # PyTorch's default partition (checked above) and its smallest fraction: a floor for
+        # a graph of the ladder the solver's least-peak search was run on a more rewritten one
+        logs.stage(f"{graph_id}: the least peak of PyTorch's partitions")
+        smallest = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs,
+                                     static_lifetime_input_indices, options, device,
+                                     made_plain[0]).at(STOCK_FRACTIONS[-1])
+        chosen = min((a for a in (made_plain[0], smallest) if a is not None), key=lambda a: a.timeline.peak_bytes)
+        if chosen.timeline.peak_bytes > budget:
+            raise _infeasible(options, chosen, analysis)
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
@@ -468,6 +487,9 @@ def _search(
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
+    before = plain.timeline if plain is not None else replanner.keep_all.timeline
+    if plain is None and isinstance(chosen.solution, ActivationSolution):
+        analysis = replanner.analysis  # the calibrated model the solver's decisions were made on
 
     stock_rules = chosen is plain
     if isinstance(chosen.solution, StockSolution) and fuse and not stock_rules:
@@ -786,6 +808,10 @@ class PlanRequest:
     # PyTorch's default partition may be chosen on a bound, its check left to the compile's own
     # schedule (confirm_on_compile), where the compile that follows builds one (Inductor)
     defer_check: bool = False
+    # a graph of the ladder before the one searched, known not to fit: no fit is searched, and its
+    # least peak is PyTorch's default partition's or its smallest fraction's (the solver's search
+    # where those are not candidates)
+    partitions_only: bool = False
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
     solution: ActivationSolution | StockSolution | None = None  # out: the decisions the plan runs
     deferred: "DeferredCheck | None" = None  # out: the plan awaits the compile's check

@@ -760,24 +760,27 @@ def test_a_later_launch_below_every_rungs_floor_raises_the_stored_error_without_
     assert str(again) == str(first) and again.whole_step == first.whole_step
 
 
-def test_below_the_inputs_and_their_gradients_only_the_most_rewritten_graph_is_planned(monkeypatch) -> None:
+def test_below_the_inputs_and_their_gradients_no_graph_is_planned_for_a_fit_but_the_last(monkeypatch) -> None:
     """Where the step's inputs and their gradients alone exceed the budget, no graph of the
-    rewrite ladder fits: only the most rewritten one is traced and searched, for the floor the
-    error names; and a run at that floor fits it."""
+    rewrite ladder fits: each graph is planned once, the most rewritten one first, and only it
+    searches for a fit; the floor the error names is met by a run at it."""
     from memcompile import planner, plan_cache
 
     model, ids = _head_bound_lm()
     fixed = sum(p.numel() * p.element_size() for p in model.parameters()) * 2 + ids.numel() * ids.element_size()
-    plannings = []
-    real = planner._plan_joint_graph
+    plannings, fits = [], []
+    real, real_fit = planner._plan_joint_graph, planner.Replanner.fit
     with monkeypatch.context() as patch:
-        patch.setattr(planner, "_plan_joint_graph", lambda *a, **k: plannings.append(1) or real(*a, **k))
+        patch.setattr(planner, "_plan_joint_graph", lambda *a, **k: plannings.append(k["request"]) or real(*a, **k))
+        patch.setattr(planner.Replanner, "fit", lambda self, *a: fits.append(1) or real_fit(self, *a))
         torch.compiler.reset()
         plan_cache.clear()
         backend, compiled = compile_under(model, fixed // 2, plan_store=False)
         with pytest.raises(memcompile.InfeasibleBudgetError) as info:
             compiled(ids).backward()
-    assert len(plannings) == 1
+    assert len(plannings) == 2  # the head chunked, then the graph as written
+    assert not plannings[0].partitions_only and all(r.partitions_only for r in plannings[1:])
+    assert len(fits) == 1
     floor = info.value.min_feasible_bytes
     assert floor > fixed
     torch.compiler.reset()
