@@ -460,27 +460,29 @@ def inductor_decompositions() -> dict:
 
 
 @contextlib.contextmanager
-def aot_settings():
+def aot_settings(autograd_cache: bool = False):
     """AOTAutograd as memcompile compiles with it. Plans are made inside the partitioner, which an
-    AOTAutograd cache hit skips (no Plan, no budget check): that cache is off. Inductor's FX graph
-    cache stays on: it caches each partitioned graph's code after the partitioner ran (a later
-    launch reads its plan from memcompile/plan_store.py, its code from Inductor's cache). The
+    AOTAutograd cache hit skips (no Plan, no budget check): that cache is on only where the caller
+    keeps the plan beside it (`autograd_cache`, keyed by the partitioner's uuid). Inductor's FX
+    graph cache stays on: it caches each partitioned graph's code after the partitioner ran. The
     backward compiles with the forward, before the step runs: compiled lazily at the first
     backward, its compile allocated beside the forward's activations (an attention block's first
     step measured 43,976 B where its plan and every later step peak at 39,304)."""
-    with _functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
+    with _functorch_config.patch(enable_autograd_cache=autograd_cache, force_non_lazy_backward_lowering=True):
         yield
 
 
 def compile_with_inductor(
     gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn,
     on_inference: Callable[[fx.GraphModule], None] | None = None,
-    schedules: list[CompiledSchedule] | None = None,
+    schedules: list[CompiledSchedule] | None = None, autograd_cache: bool = False,
 ) -> Callable:
     """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in;
     `on_inference` sees an inference graph (AOTAutograd's, before codegen), which no
     partitioner does. `schedules` receives the forward's and backward's schedules as this
-    compile built them (none for a graph Inductor's FX graph cache had: it lowers nothing)."""
+    compile built them (none for a graph Inductor's FX graph cache had: it lowers nothing).
+    With `autograd_cache`, AOTAutograd's cache may serve the compiled graphs: then neither the
+    partitioner nor `on_inference` runs (see aot_settings)."""
     expected: dict[int, tuple[bool, tuple[str | None, ...], frozenset[str]]] = {}
 
     def inner_compile(graph, inputs, **kwargs):
@@ -498,7 +500,7 @@ def compile_with_inductor(
     # the backward lowers with the forward (aot_settings): both inside the rules' scope
     token = _CAPTURE.set((expected, schedules) if schedules is not None else None)
     try:
-        with aot_settings(), inductor_rules():
+        with aot_settings(autograd_cache), inductor_rules():
             return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
                                config_patches={"custom_partitioner_fn": partitioner})
     finally:

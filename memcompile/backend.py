@@ -68,9 +68,12 @@ _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar(
 class Partitioner(tp.PartitionerBase):
     """Inductor's `custom_partitioner_fn`: plans the joint graph under the backend's budget."""
 
-    def __init__(self, options: Options, backend_id: int) -> None:
+    def __init__(self, options: Options, backend_id: int, cache_key: str | None = None) -> None:
         self.options = options
         self.backend_id = backend_id
+        # everything the plan depends on besides the graph (Region._compiled_key): AOTAutograd's
+        # cache, which knows the partitioner by its uuid, then serves only graphs of the same plan
+        self.cache_key = cache_key
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         backend = _BACKENDS.get(self.backend_id)
@@ -110,10 +113,12 @@ class Partitioner(tp.PartitionerBase):
 
     def uuid(self) -> str:
         # Budget, options, code and torch version: a cached graph is never reused under another plan.
+        if self.cache_key is not None:
+            return f"memcompile-{self.cache_key}"
         return f"memcompile-{source_hash()}-{tp.TORCH_VERSION}-{self.options.describe()}"
 
     def __reduce__(self):
-        return (Partitioner, (self.options, self.backend_id))
+        return (Partitioner, (self.options, self.backend_id, self.cache_key))
 
     def __deepcopy__(self, memo: dict) -> "Partitioner":
         return self
@@ -129,6 +134,7 @@ class _Variant:
     decisions: tuple | None = None  # (keep, recompute, stored) of its plan, when planned by memcompile
     cautious: bool = False  # its least-peak plan, run while the rest of the step is not known
     loss_heads: tuple[LossHead, ...] = ()  # the chunked heads of the graph it compiled
+    from_autograd_cache: bool = False  # served by AOTAutograd's cache: no Replanner came with it
 
     def user_outputs(self, outputs: Any, args: Sequence[Any]) -> Any:
         """What the user's code returns: a chunked head's returned logits get their gradient path,
@@ -271,7 +277,8 @@ class _Region:
                                     PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
                                                 partitions_only=partitions_only,
                                                 defer_check=backend.options.codegen == "inductor"
-                                                and not backend.plan_only))
+                                                and not backend.plan_only),
+                                    autograd_cache=not cautious)
             self.searched_least_peak = search_least_peak  # the request the kept compile made (a ladder replays it)
             return variant
 
@@ -548,8 +555,27 @@ class _Region:
         profile = profile_for(device)
         return sum(x.added_time_s(profile) for rewrite in _REWRITES for x in getattr(self, rewrite.attr))
 
+    def _compiled_key(self, options: Options, request: PlanRequest, gm: fx.GraphModule,
+                      example_inputs: Sequence[Any]) -> str | None:
+        """The key of this compile's plan beside AOTAutograd's cache entry (the partitioner's
+        uuid): the graph, the options, the request, the sizes planned for and the machine; None
+        where that cache is not used: not Inductor, no plan store, planning only, a forced plan,
+        no gradient (an inference graph is checked where it compiles), sizes not readable."""
+        backend = self.backend
+        if (options.codegen != "inductor" or not options.plan_store_dir or backend.plan_only
+                or request.decisions is not None or not torch.is_grad_enabled()
+                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)):
+            return None
+        device = options.device or step_device(example_inputs)
+        asked = (f"compiled least_peak={request.least_peak} search={request.search_least_peak} "
+                 f"partitions_only={request.partitions_only} defer_check={request.defer_check} "
+                 f"sizes={self._sizes_key()}")
+        return plan_store.outcome_key(gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
+                                      options_text=options.describe(), request_text=asked,
+                                      environment_text=planning_environment(device))
+
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                 request: PlanRequest) -> _Variant:
+                 request: PlanRequest, autograd_cache: bool = False) -> _Variant:
         eager = self.backend.ledger.eager_bytes() if outside else 0
         options = dataclasses.replace(self.backend.options, boundary_bytes=self.boundary_bytes, eager_outside_bytes=eager,
                                       eager_where=self.boundary_where if self.boundary_bytes >= eager
@@ -565,15 +591,33 @@ class _Region:
                                 rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)),
                                 input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
         schedules: list[tp.CompiledSchedule] = []  # the compile's own, for a plan chosen on a bound
+        cache_key = self._compiled_key(options, request, gm, example_inputs) if autograd_cache else None
         token = _RECORD.set(record)
         try:
             # op timing runs while the compile's own copies are live (counted in the reserve or not)
             headroom = _headroom_bytes(options, example_inputs) - (self.backend.compile_scratch - options.compile_scratch_bytes)
             with planning_sizes(self.sizes), timing_allocation_limit(headroom), \
                     check_memo.remembering(self.backend.checks):
-                fn = self.backend.compile_graph(gm, example_inputs, options, schedules)
+                fn = self.backend.compile_graph(gm, example_inputs, options, schedules, cache_key)
         finally:
             _RECORD.reset(token)
+        from_cache = cache_key is not None and record.plan is None and record.inference_peak_bytes is None
+        if from_cache:
+            # AOTAutograd's cache served the graphs (no partitioner ran): their plan is the one kept
+            # under the same key when they were compiled; without it, compiled again uncached
+            stored = plan_store.load(options.plan_store_dir, cache_key)
+            if stored is None or stored.kind != "compiled":
+                log.debug("memcompile: AOTAutograd's cache had this graph but the plan store not its plan; "
+                          "compiling it again")
+                again = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
+                # (nothing is kept under the key: the cached graphs may be a plan its compile's
+                # schedule did not confirm, which AOTAutograd stored before the check)
+                return self._compile(key, outside, again, example_inputs, request, autograd_cache=False)
+            record.plan = plan_store.as_loaded(stored.plan, self.backend.next_graph_id())
+            record.inputs = stored.inputs
+            request.solution = stored.solution
+            self.backend.plans.append(record.plan)
+            logs.stage(f"{record.plan.graph_id}: compiled graphs and their plan from the caches of an earlier launch")
         if request.deferred is not None:
             confirmed = confirm_on_compile(request.deferred, schedules, record.plan)
             request.deferred = None
@@ -585,14 +629,18 @@ class _Region:
                          "compiled schedule; planning again with checks", record.plan.graph_id)
                 self._forget_plan(record.plan)
                 again = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
-                return self._compile(key, outside, again, example_inputs, dataclasses.replace(request, defer_check=False))
+                return self._compile(key, outside, again, example_inputs, dataclasses.replace(request, defer_check=False),
+                                     autograd_cache)
             self.backend.plans[:] = [confirmed if p is record.plan else p for p in self.backend.plans]
             record.plan = confirmed
+        if cache_key is not None and not from_cache and record.plan is not None:
+            plan_store.save(options.plan_store_dir, cache_key, plan_store.StoredOutcome(
+                "compiled", plan=record.plan, solution=request.solution, inputs=record.inputs))
         if record.inference_peak_bytes is not None:
             _check_inference_peak(record.inference_peak_bytes, options)
         variant = _Variant(fn, record.plan, record.inputs,
                            request.solution.decisions if request.solution is not None else None,
-                           cautious=request.least_peak, loss_heads=self.loss_heads)
+                           cautious=request.least_peak, loss_heads=self.loss_heads, from_autograd_cache=from_cache)
         if request.replanner is not None:
             self.replanner = request.replanner
         if len(self.variants) >= self._MAX_VARIANTS:
@@ -694,6 +742,11 @@ class _Region:
     def plan_options(self) -> tuple[tuple[PlanOption, Any], ...]:
         """(option, decisions) this region offers the step plan: from its latest compile's
         Replanner (a few solves, once per compile); just what it runs if it has none."""
+        current = self._current[0] if self._current else None
+        if self.replanner is None and current is not None and current.from_autograd_cache \
+                and self.fake_inputs is not None:
+            # served by AOTAutograd's cache, with no Replanner: traced again to offer the options
+            self._recompile(("outside", self._current[1], self._sizes_key()), self._current[1], PlanRequest())
         if self.replanner is None:
             variant = self._current[0] if self._current else None
             plan = variant.plan if variant is not None else None
@@ -1222,9 +1275,10 @@ class Backend:
             warnings.warn(message, UnplannedFrameWarning, stacklevel=2)
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
-                      schedules: list[tp.CompiledSchedule] | None = None) -> Callable:
-        """The compiled region; under Inductor, `schedules` receives the schedules it built."""
-        partitioner = Partitioner(options, self.id)
+                      schedules: list[tp.CompiledSchedule] | None = None, cache_key: str | None = None) -> Callable:
+        """The compiled region; under Inductor, `schedules` receives the schedules it built, and
+        with `cache_key` AOTAutograd's cache may serve it (no partitioner runs then)."""
+        partitioner = Partitioner(options, self.id, cache_key)
 
         def on_inference(graph: fx.GraphModule) -> None:
             record = _RECORD.get()
@@ -1232,7 +1286,8 @@ class Backend:
                 record.inference_peak_bytes = predicted_inference_peak(graph, options.allocator_rounding)
 
         if options.codegen == "inductor":
-            return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference, schedules)
+            return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference, schedules,
+                                            autograd_cache=cache_key is not None)
 
         def partition_fn(joint, joint_inputs, **kwargs):
             return partitioner(joint, joint_inputs, **kwargs)

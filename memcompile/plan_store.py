@@ -54,7 +54,7 @@ FORMAT = 1  # bump when StoredOutcome changes shape
 class StoredOutcome:
     """What one planning of a joint graph ended with."""
 
-    kind: str  # "plan" | "infeasible" | "no_fit"
+    kind: str  # "plan" | "infeasible" | "no_fit" | "compiled" (beside AOTAutograd's cache entry)
     plan: Plan | None = None  # kind "plan": the plan as first made
     solution: Any = None  # kind "plan": ActivationSolution | StockSolution (decisions by candidate index)
     candidate_names: tuple[str, ...] = ()  # the problem's candidates the indices refer to (checked on a hit)
@@ -62,6 +62,7 @@ class StoredOutcome:
     min_feasible_bytes: int = 0  # "infeasible": the floor named; "no_fit": NoSolverPlanFits.floor_at_least
     contributors: tuple[tuple[str, int], ...] = ()
     whole_step: bool = True  # kind "infeasible": InfeasibleBudgetError.whole_step
+    inputs: Any = None  # kind "compiled": the joint graph's InputBytes (memcompile/ledger.py)
 
 
 def default_directory() -> str:

@@ -180,6 +180,55 @@ def test_two_launches_of_one_script_under_inductor(tmp_path):
     assert results[0][2:] == results[1][2:]
 
 
+_CACHED_LAUNCH = textwrap.dedent("""
+    import sys, torch, memcompile
+    from torch._dynamo.utils import counters
+    sys.path.insert(0, sys.argv[3])
+    from models import WithLoss, build
+    model, x = build("attention", 16, 2, 8, seed=3)
+    b = memcompile.budget(int(sys.argv[1]), time_limit_s=2, plan_store=sys.argv[2])
+    step = torch.compile(WithLoss(model), backend=b)
+    step(x).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).double().sum().item()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    peak = memcompile.measure_peak(lambda: step(x).backward(), live_at_start=[model, x]).peak_bytes
+    plan = b.plans[0]
+    print("RESULT", counters["aot_autograd"]["autograd_cache_hit"], plan.from_plan_store,
+          plan.predicted_peak_bytes, peak, repr(grads), plan.solver_status)
+""")
+
+
+@pytest.mark.inductor
+def test_a_later_launch_takes_the_compiled_graphs_and_their_plan_from_the_caches(tmp_path):
+    """AOTAutograd's cache serves a later launch's graphs (no trace, no partition), keyed by the
+    partitioner's uuid, which holds everything the plan depends on; the plan comes from the plan
+    store under the same key: the same plan, peak and gradients. Where the plan store lost it,
+    the graph is compiled again, and runs the same."""
+    model, x = build("attention", 16, 2, 8, seed=3)
+    budget = _fitting_budget(model, x, 1.1)
+    script = tmp_path / "launch.py"
+    script.write_text(_CACHED_LAUNCH)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("MEMCOMPILE_PLAN_STORE", None)
+    tests = str(pathlib.Path(__file__).parent)
+    store = tmp_path / "store"
+    results = []
+    for launch in range(3):
+        if launch == 2:  # the plan store emptied, AOTAutograd's cache kept
+            for record in store.rglob("*.pkl"):
+                record.unlink()
+        out = subprocess.run([sys.executable, str(script), str(budget), str(store), tests],
+                             capture_output=True, text=True, env=env, timeout=600)
+        line = [r for r in out.stdout.splitlines() if r.startswith("RESULT")]
+        assert line, out.stderr[-3000:]
+        results.append(line[0].split(maxsplit=6)[1:])
+    first, cached, recompiled = results
+    assert first[:2] == ["0", "False"] and cached[:2] == ["1", "True"] and recompiled[1] == "False"
+    assert first[2:] == cached[2:] == recompiled[2:]  # predicted and measured peak, gradients, status
+    assert int(first[3]) <= budget
+
+
 # ---- whose folders are trusted --------------------------------------------------------------
 
 def _record(directory, key="ab" + "0" * 62):
