@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._functorch import config as _functorch_config
 from torch._functorch import partitioners as _partitioners
@@ -445,6 +446,20 @@ def is_distributed_tensor(x: object) -> bool:
 
 def is_fake_tensor(x: object) -> bool:
     return isinstance(x, _FakeTensor)
+
+
+def example_value_of(op: str, target: Any, args: tuple) -> Any:
+    """What a new FX node of a Dynamo graph produces, on its inputs' fake `example_value`s (as
+    Dynamo records for every node it traces: AOTAutograd's cache refuses a method called on a
+    node without one); None where an input has none."""
+    missing = []
+    values = fx.node.map_arg(args, lambda n: n.meta["example_value"] if "example_value" in n.meta
+                             else missing.append(n))
+    fakes = [v for v in pytree.tree_leaves(values) if isinstance(v, _FakeTensor)]
+    if missing or not fakes:
+        return None
+    with fakes[0].fake_mode:
+        return getattr(values[0], target)(*values[1:]) if op == "call_method" else target(*values)
 
 
 def outside_tracing_modes():

@@ -714,12 +714,16 @@ def rewritten_copy(gm: fx.GraphModule, matches: tuple, rewrite) -> fx.GraphModul
 
 def node_adder(graph: fx.Graph, like: fx.Node):
     """add(op, target, args): a node in `graph` carrying `like`'s metadata but its values (the
-    rewrite's new nodes are traced again by AOTAutograd)."""
+    rewrite's new nodes are traced again by AOTAutograd), and its own fake `example_value` where
+    its inputs have theirs (as Dynamo's nodes do: AOTAutograd's cache reads them)."""
     meta = {k: v for k, v in like.meta.items() if k not in ("example_value", "val", "tensor_meta")}
 
     def add(op: str, target, args: tuple) -> fx.Node:
         node = graph.create_node(op, target, args, {})
         node.meta.update(meta)
+        value = tp.example_value_of(op, target, args)
+        if value is not None:
+            node.meta["example_value"] = value
         return node
 
     return add

@@ -204,7 +204,7 @@ def test_a_later_launch_takes_the_compiled_graphs_and_their_plan_from_the_caches
     """AOTAutograd's cache serves a later launch's graphs (no trace, no partition), keyed by the
     partitioner's uuid, which holds everything the plan depends on; the plan comes from the plan
     store under the same key: the same plan, peak and gradients. Where the plan store lost it,
-    the graph is compiled again, and runs the same."""
+    the graph is compiled again, within the budget, with the same gradients."""
     model, x = build("attention", 16, 2, 8, seed=3)
     budget = _fitting_budget(model, x, 1.1)
     script = tmp_path / "launch.py"
@@ -225,8 +225,9 @@ def test_a_later_launch_takes_the_compiled_graphs_and_their_plan_from_the_caches
         results.append(line[0].split(maxsplit=6)[1:])
     first, cached, recompiled = results
     assert first[:2] == ["0", "False"] and cached[:2] == ["1", "True"] and recompiled[1] == "False"
-    assert first[2:] == cached[2:] == recompiled[2:]  # predicted and measured peak, gradients, status
-    assert int(first[3]) <= budget
+    assert first[2:] == cached[2:]  # predicted and measured peak, gradients, status
+    # planned again (op timings measured again may choose another plan): the same gradients
+    assert recompiled[4] == first[4] and int(first[3]) <= budget and int(recompiled[3]) <= budget
 
 
 # ---- whose folders are trusted --------------------------------------------------------------
