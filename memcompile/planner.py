@@ -470,8 +470,8 @@ def _search(
     if chosen is None and not (request.search_least_peak or request.least_peak):
         raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes if beyond_plans else 0)
     if chosen is None and request.partitions_only and made_plain and stock_candidates:
-        # PyTorch's default partition (checked above) and its smallest fraction: a floor for
-        # a graph of the ladder the solver's least-peak search was run on a more rewritten one
+        # a graph of the ladder before the one the solver searched: the least peak of PyTorch's
+        # default partition (checked above) and its smallest fraction
         logs.stage(f"{graph_id}: the least peak of PyTorch's partitions")
         smallest = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs,
                                      static_lifetime_input_indices, options, device,
