@@ -38,7 +38,7 @@ from memcompile.plan_cache import source_hash
 from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, held_bytes,
                                 plan_joint_graph, planning_environment, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
-from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter
+from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
 
 log = logging.getLogger("memcompile")
 
@@ -930,20 +930,10 @@ def _inputs_and_gradients_bytes(example_inputs: Sequence[Any]) -> int:
     storage once (the caller holds the inputs, parameters live through the step) and a gradient
     of each input that requires one. 0 where storages cannot be told apart (fake tensors, and
     subclasses such as DTensor, whose gradient may not be their size)."""
-    storages: dict[int, int] = {}
-    gradients = 0
-    for t in example_inputs:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return 0
-        storage = t.untyped_storage()
-        if storage.nbytes() and not storage.data_ptr():
-            return 0
-        storages[storage.data_ptr()] = storage.nbytes()
-        if t.requires_grad:
-            gradients += t.numel() * t.element_size()
-    return sum(storages.values()) + gradients
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return 0
+    return unique_storage_bytes(tensors) + sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
 
 
 def _raising(error: Exception) -> Callable:
