@@ -371,12 +371,12 @@ class _Region:
         rewrite with coarser variants (_Rewrite.coarse_first) tries those first (_plan_coarse).
         Once one graph's least peak is known, the graphs before it are tried only for the least
         peak of PyTorch's partitions (PlanRequest.partitions_only: a rewrite seldom raises the
-        solver's least peak, but a partition's kernel order can be lower: GPT style, 12 layers, the chunked head's
-        0.4 partition peaked 150 MB below the chunked MLPs' least-peak plan), and not where their
-        NoSolverPlanFits says no plan of them fits below the floor found (`floor_at_least`;
-        `whole_floor_at_least` for the graph as it is). With `only_last`, where the inputs and
-        their gradients alone are over the budget, the rungs before the last are not planned for
-        a fit, only so."""
+        solver's least peak, but a partition's kernel order can be lower: GPT style, 12 layers,
+        the chunked head's 0.4 partition peaked 150 MB below the chunked MLPs' least-peak plan),
+        and not where their NoSolverPlanFits says no plan of them fits below the floor found
+        (`floor_at_least`; `whole_floor_at_least` for the graph as it is). With `only_last`,
+        where the inputs and their gradients alone are over the budget, the rungs before the
+        last are not planned for a fit, only so."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
         unsearched = [(self._head_state(), whole_floor_at_least)] if deferred else []
