@@ -115,8 +115,8 @@ class LivenessTimeline:
         """The most bytes live at one step in parameters and inputs, gradients and the outputs the
         caller holds (0: not recorded by category): every plan of the same joint graph holds them
         all as its backward ends, whatever it saves or recomputes and however its kernels are
-        ordered. (What else a step holds depends on the order: a schedule of PyTorch's 0.6
-        partition held 159 MB less in temporaries than the 1.0 partition's at the same node.)"""
+        ordered. (What else a step holds depends on the order: taken as a floor, what PyTorch's
+        1.0 partition held besides saved activations refused a budget its 0.6 partition fits.)"""
         fixed = [CATEGORIES.index(c) for c in (STATIC, GRADIENT, OUTPUT)]
         return max((sum(s.by_category[i] for i in fixed) for s in self.steps
                     if len(s.by_category) == len(CATEGORIES)), default=0)
