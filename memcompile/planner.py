@@ -435,7 +435,7 @@ def _search(
 
     plain = None
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
-    if stock_candidates and (request is None or (request.decisions is None and not request.least_peak)):
+    if stock_candidates and request.decisions is None and not request.least_peak:
         # Where plain Inductor's own partition fits under its own rules, it is the plan: the
         # fastest we measured at that memory, found with one check instead of three (keep-all,
         # the partition under memcompile's rules, then under Inductor's), each a lowering and
@@ -443,32 +443,32 @@ def _search(
         logs.stage(f"{graph_id}: checking plain Inductor's partition")
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                           options.allocator_rounding, options.boundary_bytes,
-                                          budget if request is not None and request.defer_check else None)
+                                          budget if request.defer_check else None)
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
             plain = None
+    floor_at_least = beyond_plans + options.reserve_bytes if beyond_plans else 0  # (NoSolverPlanFits)
     if beyond_plans > budget and not request.least_peak:
         # Parameters, inputs, gradients and returned outputs alone are over the budget: no plan
         # of this graph fits, so no other candidate is made or checked.
         logs.stage(f"{graph_id}: no plan of this graph fits: its parameters, inputs, gradients and outputs "
                    f"hold {format_bytes(beyond_plans)}")
         if not request.search_least_peak:
-            raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes)
+            raise NoSolverPlanFits(budget, floor_at_least)
     replanner = DeferredReplanner(make_replanner)  # made where a candidate besides plain's is asked for
     chosen = plain
     solve_s = 0.0
-    if request is not None:
-        request.replanner = replanner
-        if request.decisions is not None and not request.least_peak and request.fingerprint == replanner.fingerprint:
-            forced = replanner.attempt_for(request.decisions)
-            if forced is not None and forced.timeline.peak_bytes <= budget:
-                chosen = forced
+    request.replanner = replanner
+    if request.decisions is not None and not request.least_peak and request.fingerprint == replanner.fingerprint:
+        forced = replanner.attempt_for(request.decisions)
+        if forced is not None and forced.timeline.peak_bytes <= budget:
+            chosen = forced
     if chosen is None and not (request.least_peak or request.partitions_only) and beyond_plans <= budget:
         logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None and not (request.search_least_peak or request.least_peak):
-        raise NoSolverPlanFits(budget, beyond_plans + options.reserve_bytes if beyond_plans else 0)
+        raise NoSolverPlanFits(budget, floor_at_least)
     if chosen is None and request.partitions_only and made_plain and stock_candidates:
         # a graph of the ladder before the one the solver searched: the least peak of PyTorch's
         # default partition (checked above) and its smallest fraction
@@ -505,10 +505,9 @@ def _search(
             chosen, stock_rules = dataclasses.replace(chosen, timeline=as_stock), True
     after = chosen.timeline
     sol = chosen.solution
-    if request is not None:
-        request.solution = sol
-        request.deferred = None if chosen.checked else DeferredCheck(
-            num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget)
+    request.solution = sol
+    request.deferred = None if chosen.checked else DeferredCheck(
+        num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget)
     plan = Plan(
         graph_id=graph_id,
         budget_bytes=options.budget_bytes,
