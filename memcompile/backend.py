@@ -272,10 +272,11 @@ class _Region:
                 self.boundary_where = "not measured yet: the size of the outputs it returns that need a gradient"
                 backend.defaulted_boundaries.append(self)
 
-        def compile_for(o: int, search_least_peak: bool = True, partitions_only: bool = False) -> _Variant:
+        def compile_for(o: int, search_least_peak: bool = True, partitions_only: bool = False,
+                        rewrite_first_s: float | None = None) -> _Variant:
             variant = self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
                                     PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
-                                                partitions_only=partitions_only,
+                                                partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
                                                 defer_check=backend.options.codegen == "inductor"
                                                 and not backend.plan_only),
                                     autograd_cache=not cautious)
@@ -310,8 +311,10 @@ class _Region:
                 position, outside, compile_for, whole_error=None, coarse=False, only_last=True))
             self._finish_first(ladder_key, outside)
             return
+        rewrite_first_s = self._cheap_rewrite_s(example_inputs) if defer else None
         try:
-            self._first = self._plan_for_position(position, outside, lambda o: compile_for(o, not defer))
+            self._first = self._plan_for_position(position, outside,
+                                                  lambda o: compile_for(o, not defer, rewrite_first_s=rewrite_first_s))
         except StepOverrunError:
             # Not this region's own limit (earlier calls hold too much): it plans at its call,
             # which raises the error where the user sees it, and plans again if the step is run again.
@@ -320,7 +323,10 @@ class _Region:
         except NoSolverPlanFits as no_fit:
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=None, coarse=not cautious,
-                whole_floor_at_least=no_fit.floor_at_least))
+                whole_floor_at_least=no_fit.floor_at_least,
+                first_reason=(f"PyTorch's partition is over the budget, and chunking is estimated at "
+                              f"{rewrite_first_s * 1e3:.2f} ms, less than a plan without it could save"
+                              if no_fit.rewrite_first and rewrite_first_s is not None else None)))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
@@ -332,6 +338,15 @@ class _Region:
                 for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
                     self._rewrite_if_faster(rewrite, position, outside, compile_for, device)
         self._finish_first(ladder_key, outside)
+
+    def _cheap_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
+        """The estimated added time of the first pending rewrite where it is one also tried when a
+        plan fits without it (the loss head: _Rewrite.when_faster); None otherwise."""
+        pending = self._pending_rewrites()
+        if not pending or not pending[0].when_faster:
+            return None
+        profile = profile_for(self.backend.options.device or step_device(example_inputs))
+        return sum(x.added_time_s(profile) for x in pending[0].find(self.gm.graph))
 
     def _finish_first(self, ladder_key: str | None, outside: int) -> None:
         if ladder_key is not None:
@@ -360,7 +375,8 @@ class _Region:
 
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
                         whole_error: InfeasibleBudgetError | None, coarse: bool = True,
-                        whole_floor_at_least: int = 0, only_last: bool = False) -> _Variant:
+                        whole_floor_at_least: int = 0, only_last: bool = False,
+                        first_reason: str | None = None) -> _Variant:
         """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
         (None: its least peak not searched yet): apply the pending rewrites one at a time (the
         loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
@@ -376,13 +392,15 @@ class _Region:
         and not where their NoSolverPlanFits says no plan of them fits below the floor found
         (`floor_at_least`; `whole_floor_at_least` for the graph as it is). With `only_last`,
         where the inputs and their gradients alone are over the budget, the rungs before the
-        last are not planned for a fit, only so."""
+        last are not planned for a fit, only so. `first_reason`: why the first rewrite is applied
+        where not because no plan fits without it (PlanRequest.rewrite_first_s)."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
         unsearched = [(self._head_state(), whole_floor_at_least)] if deferred else []
         pending = self._pending_rewrites()
         for i, rewrite in enumerate(pending):
             reason = ("the inputs and their gradients alone exceed the budget" if only_last
+                      else first_reason if i == 0 and first_reason
                       else f"no {'solver ' if deferred else ''}plan fits without it")
             if coarse:
                 fitted = self._plan_coarse(rewrite, reason, position, outside, compile_for)
@@ -569,6 +587,7 @@ class _Region:
         device = options.device or step_device(example_inputs)
         asked = (f"compiled least_peak={request.least_peak} search={request.search_least_peak} "
                  f"partitions_only={request.partitions_only} defer_check={request.defer_check} "
+                 f"rewrite_first_s={request.rewrite_first_s!r} "
                  f"sizes={self._sizes_key()}")
         return plan_store.outcome_key(gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
                                       options_text=options.describe(), request_text=asked,

@@ -332,7 +332,9 @@ def _plan_joint_graph(
     key = None
     if options.plan_store_dir and (request is None or request.decisions is None):
         flags = "-" if request is None else (f"least_peak={request.least_peak} search={request.search_least_peak}"
-                                             + (" partitions_only" if request.partitions_only else ""))
+                                             + (" partitions_only" if request.partitions_only else "")
+                                             + (f" rewrite_first_s={request.rewrite_first_s!r}"
+                                                if request.rewrite_first_s is not None else ""))
         key = plan_store.outcome_key(
             joint, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices,
             options_text=options.describe(), request_text=flags,
@@ -433,7 +435,7 @@ def _search(
         return _new_replanner(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
                               options, device, made_plain[0] if made_plain else None)
 
-    plain = None
+    plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
     if stock_candidates and request.decisions is None and not request.least_peak:
         # Where plain Inductor's own partition fits under its own rules, it is the plan: the
@@ -447,8 +449,17 @@ def _search(
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
-            plain = None
+            plain, plain_over = None, True
     floor_at_least = beyond_plans + options.reserve_bytes if beyond_plans else 0  # (NoSolverPlanFits)
+    if (plain_over and request.rewrite_first_s is not None and not request.least_peak
+            and request.decisions is None and not request.search_least_peak
+            and request.rewrite_first_s <= STOCK_SOLVE_ABOVE * estimated_step_s(joint, profile)):
+        # PyTorch's default partition is over the budget, and the rewrite the ladder tries next
+        # costs less than any plan could save (STOCK_SOLVE_ABOVE): its graph is planned first.
+        # A search of this one would take a keep-all check, PyTorch's partitions and the solver:
+        # on the GPT style file (12 layers, 1 x 256) 10 s of lowering, for no plan.
+        logs.stage(f"{graph_id}: PyTorch's partition is over the budget; the cheaper rewrite is planned first")
+        raise NoSolverPlanFits(budget, floor_at_least, rewrite_first=True)
     if beyond_plans > budget and not request.least_peak:
         # Parameters, inputs, gradients and returned outputs alone are over the budget: no plan
         # of this graph fits, so no other candidate is made or checked.
@@ -701,8 +712,7 @@ class StockPartitions:
     def step_time_s(self) -> float:
         """The joint graph's estimated time: forward and backward, no recomputation."""
         if self._step_time_s is None:
-            self._step_time_s = sum(estimate_node_time_s(n, self.profile) for n in self.joint.graph.nodes
-                                    if n.op == "call_function")
+            self._step_time_s = estimated_step_s(self.joint, self.profile)
         return self._step_time_s
 
     def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
@@ -725,6 +735,11 @@ class StockPartitions:
             else:
                 low = middle + 1
         return self.at(fractions[fits])
+
+
+def estimated_step_s(joint: fx.GraphModule, profile) -> float:
+    """The joint graph's estimated time: forward and backward, no recomputation."""
+    return sum(estimate_node_time_s(n, profile) for n in joint.graph.nodes if n.op == "call_function")
 
 
 def _stock_decisions(forward: fx.GraphModule, fraction: float, num_fwd_outputs: int) -> tuple[Decision, ...]:
@@ -786,12 +801,14 @@ class NoSolverPlanFits(Exception):
     """No PyTorch partition or solver plan fits; the least-peak search (which may still find one,
     and otherwise names the smallest budget) was not run, as PlanRequest.search_least_peak asked.
     `floor_at_least`: a budget below which no plan of this graph fits (0: not known), so that a
-    ladder need not search this graph's least peak where another graph's is already lower."""
+    ladder need not search this graph's least peak where another graph's is already lower.
+    `rewrite_first`: only PyTorch's default partition was tried (PlanRequest.rewrite_first_s)."""
 
-    def __init__(self, budget_bytes: int, floor_at_least: int = 0) -> None:
+    def __init__(self, budget_bytes: int, floor_at_least: int = 0, rewrite_first: bool = False) -> None:
         super().__init__(budget_bytes)
         self.budget_bytes = budget_bytes
         self.floor_at_least = floor_at_least
+        self.rewrite_first = rewrite_first  # not searched: PlanRequest.rewrite_first_s asked for the rewrite first
 
 
 @dataclass
@@ -811,6 +828,11 @@ class PlanRequest:
     # least peak is PyTorch's default partition's or its smallest fraction's (the solver's search
     # where those are not candidates)
     partitions_only: bool = False
+    # the estimated added time of the rewrite a ladder tries next (a chunked loss head): where
+    # this graph's default partition is over the budget and that is within STOCK_SOLVE_ABOVE of
+    # the step, NoSolverPlanFits at once (with search_least_peak False): no plan of this graph can
+    # save more than noise against the rewritten one
+    rewrite_first_s: float | None = None
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
     solution: ActivationSolution | StockSolution | None = None  # out: the decisions the plan runs
     deferred: "DeferredCheck | None" = None  # out: the plan awaits the compile's check
