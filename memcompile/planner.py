@@ -437,7 +437,7 @@ def _search(
 
     plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
-    if stock_candidates and request.decisions is None and not request.least_peak:
+    if stock_candidates and request.decisions is None and not request.least_peak and not request.partitions_only:
         # Where plain Inductor's own partition fits under its own rules, it is the plan: the
         # fastest we measured at that memory, found with one check instead of three (keep-all,
         # the partition under memcompile's rules, then under Inductor's), each a lowering and
@@ -480,15 +480,19 @@ def _search(
         chosen, solve_s = replanner.fit(budget, options.time_limit_s)
     if chosen is None and not (request.search_least_peak or request.least_peak):
         raise NoSolverPlanFits(budget, floor_at_least)
-    if chosen is None and request.partitions_only and made_plain and stock_candidates:
-        # a graph of the ladder before the one the solver searched: the least peak of PyTorch's
-        # default partition (checked above) and its smallest fraction
+    if chosen is None and request.partitions_only and stock_candidates and request.decisions is None:
+        # A graph of the ladder before the one the solver searched: the least peak of PyTorch's
+        # partitions, taken as its smallest fraction's (one lowering; on the GPT style file its
+        # default partition's peaked as high or higher on every rung), the default partition's
+        # where that one cannot be made.
         logs.stage(f"{graph_id}: the least peak of PyTorch's partitions")
-        smallest = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs,
-                                     static_lifetime_input_indices, options, device,
-                                     made_plain[0]).at(STOCK_FRACTIONS[-1])
-        chosen = min((a for a in (made_plain[0], smallest) if a is not None), key=lambda a: a.timeline.peak_bytes)
-        if chosen.timeline.peak_bytes > budget:
+        chosen = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs,
+                                   static_lifetime_input_indices, options, device).at(STOCK_FRACTIONS[-1])
+        if chosen is None:
+            chosen = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
+                                               options.allocator_rounding, options.boundary_bytes)
+            made_plain.extend([chosen] if chosen is not None else [])
+        if chosen is not None and chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis)
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
@@ -825,8 +829,8 @@ class PlanRequest:
     # schedule (confirm_on_compile), where the compile that follows builds one (Inductor)
     defer_check: bool = False
     # a graph of the ladder before the one searched, known not to fit: no fit is searched, and its
-    # least peak is PyTorch's default partition's or its smallest fraction's (the solver's search
-    # where those are not candidates)
+    # least peak is PyTorch's partition's at its smallest fraction (its default partition's where
+    # that cannot be made; the solver's search where neither is a candidate)
     partitions_only: bool = False
     # the estimated added time of the rewrite a ladder tries next (a chunked loss head): where
     # this graph's default partition is over the budget and that is within STOCK_SOLVE_ABOVE of
