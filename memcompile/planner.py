@@ -423,8 +423,17 @@ def _search(
     device: str,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     check_s = _CHECK_S.get() or [0.0]
-    logs.stage(f"{graph_id}: analysing the joint graph")
-    analysis, profile = _analyse(joint, num_fwd_outputs, static_lifetime_input_indices, options, device)
+    profile = profile_for(device)
+    analysed: list[JointAnalysis] = []
+
+    def analysis_now() -> JointAnalysis:
+        # The joint graph's plain problem, made where a candidate besides PyTorch's default
+        # partition is asked for: where that partition is the plan, nothing reads it.
+        if not analysed:
+            logs.stage(f"{graph_id}: analysing the joint graph")
+            analysed.append(_analyse(joint, num_fwd_outputs, static_lifetime_input_indices, options, device)[0])
+        return analysed[0]
+
     budget = options.step_budget_bytes
     fuse = _runs_under_inductor(options)
     stock_candidates = _stock_candidates(options, device)
@@ -432,7 +441,7 @@ def _search(
     made_plain: list[_Attempt] = []  # plain Inductor's partition once made: the 1.0 candidate's graphs
 
     def make_replanner() -> Replanner:
-        return _new_replanner(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
+        return _new_replanner(joint, joint_inputs, analysis_now(), profile, num_fwd_outputs, static_lifetime_input_indices,
                               options, device, made_plain[0] if made_plain else None)
 
     plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
@@ -486,14 +495,14 @@ def _search(
         # default partition's peaked as high or higher on every rung), the default partition's
         # where that one cannot be made.
         logs.stage(f"{graph_id}: the least peak of PyTorch's partitions")
-        chosen = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs,
+        chosen = _stock_partitions(joint, joint_inputs, analysis_now(), profile, num_fwd_outputs,
                                    static_lifetime_input_indices, options, device).at(STOCK_FRACTIONS[-1])
         if chosen is None:
             chosen = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                                options.allocator_rounding, options.boundary_bytes)
             made_plain.extend([chosen] if chosen is not None else [])
         if chosen is not None and chosen.timeline.peak_bytes > budget:
-            raise _infeasible(options, chosen, analysis)
+            raise _infeasible(options, chosen, analysis_now())
     if chosen is None:
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
@@ -501,10 +510,10 @@ def _search(
         chosen, min_peak_s = replanner.least_peak_and_solve_s()
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
-            raise _infeasible(options, chosen, analysis)
+            raise _infeasible(options, chosen, analysis_now())
     before = plain.timeline if plain is not None else replanner.keep_all.timeline
-    if plain is None and isinstance(chosen.solution, ActivationSolution):
-        analysis = replanner.analysis  # the calibrated model the solver's decisions were made on
+    # the calibrated model the solver's decisions were made on
+    analysis = replanner.analysis if plain is None and isinstance(chosen.solution, ActivationSolution) else None
 
     stock_rules = chosen is plain
     if isinstance(chosen.solution, StockSolution) and fuse and not stock_rules:
@@ -534,7 +543,7 @@ def _search(
         peak_phase=after.peak_step.phase,
         peak_node=after.peak_step.node,
         peak_breakdown=after.peak_breakdown,
-        decisions=sol.rows if isinstance(sol, StockSolution) else _decisions(analysis, sol),
+        decisions=sol.rows if isinstance(sol, StockSolution) else _decisions(analysis or analysis_now(), sol),
         added_time_s=sol.added_time_s,
         solver_status=sol.status,
         solve_s=solve_s,
