@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast lint bench clean
 # Test processes (pytest-xdist), whole files to a process: a file's module fixtures run once. CI
 # has 2 cores and the suite is mostly one busy core (compiles, solver): 2 processes ~1.5x faster.
 # A crashed worker is not replaced: xdist 3.8's loadfile scheduling then hangs for good
@@ -25,6 +25,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYTEST)
+
+# ruff (style and likely bugs, all code) and mypy (types of the plain-data core): pyproject.toml.
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not inductor"

@@ -509,7 +509,7 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
                    f"{len(nz['copy_ratios'])} plain-Inductor child(ren) (two compiled copies each): ratios "
                    f"{', '.join(f'{x:.3f}' for x in nz['copy_ratios'])}, largest |ratio - 1| {nz['copy_noise']:.3f}; "
                    f"tolerance (the larger) {nz['ratio_noise']:.3f}; "
-                   + (f"the same partition measured in different children (PyTorch's and memcompile's): ratios "
+                   + ("the same partition measured in different children (PyTorch's and memcompile's): ratios "
                       + "; ".join(f"{f}: " + ", ".join(f"{x:.3f}" for x in v)
                                   for f, v in nz["same_plan_ratios"].items() if len(v) > 1)
                       + f", largest spread {nz['same_plan_spread']:.3f} (not in the tolerance); "

@@ -58,7 +58,7 @@ def node_flops(node: fx.Node) -> int:
     args, kwargs = _meta_arguments(node)
     try:
         flops = formula(*args, out_val=node.meta.get("val"), **kwargs)
-    except Exception:  # a formula that cannot read these shapes: treat the op as memory-bound
+    except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: treat the op as memory-bound
         return 0
     if isinstance(flops, torch.SymInt):
         flops = flops.node.hint or 0

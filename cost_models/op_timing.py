@@ -12,8 +12,8 @@ thread count) is run on random inputs once per process and its fastest time is t
 Only ops with a FLOP formula are timed (pointwise ops stay on the bandwidth roofline: Inductor
 fuses them, so a lone op's time says little). Not timed, the roofline stays: symbolic sizes,
 inputs and result above MAX_BYTES together (what a run allocates) or above the budget's headroom
-at the compile (`timing_allocation_limit`), and ops that fail on random inputs. A first call slower than MAX_CALL_S is not repeated. A process spends at most
-TIME_BUDGET_S measuring.
+at the compile (`timing_allocation_limit`), and ops that fail on random inputs. A first call
+slower than MAX_CALL_S is not repeated. A process spends at most TIME_BUDGET_S measuring.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from memcompile import logs as _logs  # noqa: F401  (the "memcompile" logger's d
 from memcompile.backend import Backend
 from memcompile.batch_search import BatchProbe, MaxBatch, max_batch
 from memcompile.plan_dump import dump as _dump_impl
-from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning, UnplannedFrameError,
-                               UnplannedFrameWarning)
+from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning,
+                               UnplannedFrameError, UnplannedFrameWarning)
 from memcompile.measure import PeakMeasurement, measure_peak
 from memcompile.options import Options, make_options, parse_bytes
 from memcompile.plan import Decision, Plan

@@ -159,9 +159,10 @@ PLANNED_GRAPH = "memcompile_planned"
 # down projection's weight-gradient matmul, then dead) with the up projection's gradient
 # dh * silu(g) (they share the read of silu(g)), so at the top of Llama small's backward the two
 # coexisted where the gradient fits in the product's memory; at 9.91 MiB every plan then also
-# recomputed layer 0's attention to make room (3.3-3.5 ms estimated added time, 2.5 without). Inductor's own guard (Scheduler.can_fusion_increase_peak_memory)
-# weighs only inputs read once, against 32x the bytes the fusion saves reading. Buffers smaller
-# than this are left to Inductor: they do not move a peak, and the fusion saves a launch.
+# recomputed layer 0's attention to make room (3.3-3.5 ms estimated added time, 2.5 without).
+# Inductor's own guard (Scheduler.can_fusion_increase_peak_memory) weighs only inputs read once,
+# against 32x the bytes the fusion saves reading. Buffers smaller than this are left to Inductor:
+# they do not move a peak, and the fusion saves a launch.
 LIFETIME_FUSION_MIN_BYTES = 64 * 1024
 LIFETIME_FUSION = os.environ.get("MEMCOMPILE_LIFETIME_FUSION", "1") != "0"  # 0: off, for comparisons
 
@@ -321,7 +322,7 @@ def _stored_bytes(buf) -> int:
     try:
         return int(V.graph.sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node))) \
             * buf.node.get_dtype().itemsize
-    except Exception:  # no storage of its own (a view, a tuple, a mutation): nothing to allocate
+    except Exception:  # noqa: BLE001 - no storage of its own (a view, a tuple, a mutation): nothing to allocate
         return 0
 
 
@@ -1148,7 +1149,7 @@ def graph_input_ids(gm: fx.GraphModule) -> frozenset[int]:
         arg = node.meta.get("grapharg") if node.op == "placeholder" else None
         try:
             example = arg.example if arg is not None else None  # a weak reference Dynamo keeps
-        except Exception:  # erased after the compile, or not a tensor input
+        except Exception:  # noqa: BLE001 - erased after the compile, or not a tensor input
             example = None
         if isinstance(example, torch.Tensor):
             ids.add(id(example))

@@ -321,17 +321,19 @@ class _Region:
             backend.compiled_ahead += 1
             return
         except NoSolverPlanFits as no_fit:
+            floor_at_least = no_fit.floor_at_least
+            first_reason = (f"PyTorch's partition is over the budget, and chunking is estimated at "
+                            f"{rewrite_first_s * 1e3:.2f} ms, less than a plan without it could save"
+                            if no_fit.rewrite_first and rewrite_first_s is not None else None)
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=None, coarse=not cautious,
-                whole_floor_at_least=no_fit.floor_at_least,
-                first_reason=(f"PyTorch's partition is over the budget, and chunking is estimated at "
-                              f"{rewrite_first_s * 1e3:.2f} ms, less than a plan without it could save"
-                              if no_fit.rewrite_first and rewrite_first_s is not None else None)))
+                whole_floor_at_least=floor_at_least, first_reason=first_reason))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
+            whole_error = error
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
-                position, outside, compile_for, whole_error=error, coarse=not cautious))
+                position, outside, compile_for, whole_error=whole_error, coarse=not cautious))
         else:
             if not cautious:
                 device = backend.options.device or step_device(example_inputs)
@@ -416,7 +418,7 @@ class _Region:
                 unsearched.append((self._head_state(), 0))
                 continue
             try:
-                return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
+                return self._plan_for_position(position, outside, lambda o, search=search: compile_for(o, search))
             except NoSolverPlanFits as no_fit:
                 unsearched.append((self._head_state(), no_fit.floor_at_least))
             except InfeasibleBudgetError as error:
@@ -695,7 +697,7 @@ class _Region:
                 raise InfeasibleBudgetError(
                     str(error).replace(str(error.min_feasible_bytes), str(error.min_feasible_bytes - reducible)),
                     budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes - reducible,
-                    contributors=error.contributors, whole_step=error.whole_step)
+                    contributors=error.contributors, whole_step=error.whole_step) from error
             # Earlier calls of this step run plans made before this region was known (the first
             # step's single regions, a region compiled after the step plan was chosen): the plan
             # for the whole step replaces them once it has ended, but this step would run over.
@@ -1073,7 +1075,8 @@ class Backend:
                 region.assigned = None  # one call per step: its own plan is the step's
             self._settled = shape
             return
-        with _random_state_kept(()), check_memo.remembering(self.checks):  # the options' checks draw random inputs (see _recompile)
+        # the options' checks draw random inputs (see _recompile)
+        with _random_state_kept(()), check_memo.remembering(self.checks):
             menus = [region.plan_options() for region in regions]
         options = [[option for option, _ in menu] for menu in menus]
         positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)

@@ -102,9 +102,9 @@ def added_time_s(positions: Sequence[Position], menus: Sequence[Sequence[PlanOpt
 
 def _model(positions, menus, budget_bytes: int | None):
     model = cp_model.CpModel()
-    pick = [[model.NewBoolVar(f"r{r}_o{k}") for k in range(len(menu))] for r, menu in enumerate(menus)]
+    pick = [[model.new_bool_var(f"r{r}_o{k}") for k in range(len(menu))] for r, menu in enumerate(menus)]
     for row in pick:
-        model.AddExactlyOne(row)
+        model.add_exactly_one(row)
     loads = []
     for p, position in enumerate(positions):
         load = sum(option.own_peak_bytes * pick[position.region][k]
@@ -127,11 +127,11 @@ def choose_joint(positions: Sequence[Position], menus: Sequence[Sequence[PlanOpt
     _validate(positions, menus)
     model, pick, loads = _model(positions, menus, budget_bytes)
     for load, fixed in loads:
-        model.Add(load <= budget_bytes - fixed)
+        model.add(load <= budget_bytes - fixed)
     calls = [sum(1 for q in positions if q.region == r) for r in range(len(menus))]
     # Time first; among equal times, lower option indices (weights below one time unit).
     scale = 1 + sum(len(menu) for menu in menus)
-    model.Minimize(sum(
+    model.minimize(sum(
         (scale * calls[r] * round(option.added_time_s / _TIME_UNIT_S) + k) * pick[r][k]
         for r, menu in enumerate(menus) for k, option in enumerate(menu)))
     outcome = run_model(model, time_limit_s=_TIME_LIMIT_S, workers=1, seed=0)
@@ -146,11 +146,11 @@ def least_step_peak(positions: Sequence[Position], menus: Sequence[Sequence[Plan
     """The option per region with the smallest step peak (what the budget must at least be)."""
     _validate(positions, menus)
     model, pick, loads = _model(positions, menus, None)
-    peak = model.NewIntVar(0, sum(max(o.own_peak_bytes + o.saved_bytes for o in m) for m in menus)
+    peak = model.new_int_var(0, sum(max(o.own_peak_bytes + o.saved_bytes for o in m) for m in menus)
                            * len(positions) + sum(fixed for _, fixed in loads), "peak")
     for load, fixed in loads:
-        model.Add(peak >= load + fixed)
-    model.Minimize(peak)
+        model.add(peak >= load + fixed)
+    model.minimize(peak)
     outcome = run_model(model, time_limit_s=_TIME_LIMIT_S, workers=1, seed=0)
     if outcome.has_solution:
         option_of, status = _picked(outcome, pick), outcome.status

@@ -132,8 +132,9 @@ class StepLedger:
                 self._seen = set()
                 self._steps_completed += 1
                 steps = self._slots[:self._position]
-                self._completed = tuple(zip(self._regions[:self._position], steps)) \
-                    if all(f is not None for f in steps) else None
+                known = [f for f in steps if f is not None]
+                self._completed = tuple(zip(self._regions[:self._position], known)) \
+                    if len(known) == len(steps) else None
                 # Positions the finished step did not reach belong to an older step shape.
                 del self._slots[self._position:], self._planned_outside[self._position:]
                 del self._regions[self._position:]

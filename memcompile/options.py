@@ -7,7 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Sequence, cast
 
 from memcompile.device_budget import device_memory, input_device, parse_relative, resolve_relative
 from memcompile.optimizer_state import OptimizerReserve, optimizer_reserve
@@ -175,7 +175,8 @@ def make_options(limit: object, **overrides: object) -> Options:
     chunk_loss = overrides.pop("chunk_loss", "auto")
     if not (isinstance(chunk_loss, bool) or chunk_loss == "auto"):
         raise ValueError(f"chunk_loss={chunk_loss!r}: expected 'auto' (the default: chunk a linear -> cross_entropy "
-                         "loss head when no plan fits without it or chunking is estimated faster), True (always) or False (never)")
+                         "loss head when no plan fits without it or chunking is estimated faster), True (always) "
+                         "or False (never)")
     chunk_mlp = overrides.pop("chunk_mlp", "auto")
     if not (isinstance(chunk_mlp, bool) or chunk_mlp == "auto"):
         raise ValueError(f"chunk_mlp={chunk_mlp!r}: expected 'auto' (the default: compute linear -> activation -> "
@@ -192,8 +193,10 @@ def make_options(limit: object, **overrides: object) -> Options:
                          "beside regions of its step planned before it was known stops with StepOverrunError) or "
                          "'warn' (run that step over the budget with a StepOverrunWarning)")
     plan_store_dir = _plan_store_dir(overrides.pop("plan_store", True))
-    return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, device, workers, seed, quantize,
-                   None if offload == "auto" else offload, None if link is None else float(link),
+    # (each value checked above; the casts only tell the type checker so)
+    return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, cast("str | None", device),
+                   cast(int, workers), cast(int, seed), quantize,
+                   None if offload == "auto" else cast("bool | None", offload), None if link is None else float(link),
                    chunk_loss=chunk_loss, chunk_mlp=chunk_mlp, on_unplanned=on_unplanned,
                    on_first_step_overrun=on_overrun, budget_spec=budget_spec,
                    optimizer_reserve_bytes=held.nbytes, optimizer_source=held.source, plan_store_dir=plan_store_dir)

@@ -46,7 +46,8 @@ class Plan:
     peak_breakdown: tuple[tuple[str, int], ...]
     decisions: tuple[Decision, ...]
     added_time_s: float
-    solver_status: str  # "fits" (nothing to do) | "optimal" | "feasible" | "fallback" (greedy) | "least_peak_*" (at the smallest budget)
+    # "fits" (nothing to do) | "optimal" | "feasible" | "fallback" (greedy) | "least_peak_*" (at the smallest budget)
+    solver_status: str
     solve_s: float
     gap: float
     live_bytes_before: tuple[int, ...]  # per step, forward then backward

@@ -107,7 +107,7 @@ def _referents(obj: object, is_root: bool) -> list[object]:
 
 def _cell_is_set(cell: types.CellType) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
@@ -193,7 +193,7 @@ def peak_tensor_lines(plan: Plan, count: int = 8) -> list[str]:
         return []
     rows = plan.peak_tensors[:count]
     width = max(len(name) for name, _, _ in rows)
-    return [f"  largest live at the peak:"] + [f"    {name:<{width}}  {format_bytes(nbytes):>11}  {category}"
+    return ["  largest live at the peak:"] + [f"    {name:<{width}}  {format_bytes(nbytes):>11}  {category}"
                                                for name, category, nbytes in rows]
 
 
@@ -278,7 +278,8 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
 
 
 # Plan fields older files lack, with the values a plan without them has.
-_ADDED_LATER = {"library_workspace_bytes": 0, "compile_scratch_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0, "size_bounds": [],
+_ADDED_LATER = {"library_workspace_bytes": 0, "compile_scratch_bytes": 0, "graph_rewrites": [], "rewrite_time_s": 0.0,
+                "size_bounds": [],
                 "stock_inductor_rules": False, "budget_source": "", "optimizer_reserve_bytes": 0,
                 "optimizer_source": "", "check_s": 0.0, "live_categories_after": [], "peak_tensors": [],
                 "backward_from_step": -1, "from_plan_store": False, "eager_at_backward_start_bytes": 0,
@@ -598,7 +599,7 @@ def peak_html(plan: Plan) -> str:
             f'<td class="num">{escape(format_bytes(b))}</td><td class="num">{_share(b, total)}</td></tr>'
             for c, b in sorted(plan.peak_breakdown, key=lambda cb: (-cb[1], cb[0])) if b]
     where = f"{plan.peak_phase} node {plan.peak_node}" if plan.peak_node else "step"
-    parts = [f'<aside class="at-peak">',
+    parts = ['<aside class="at-peak">',
              f"<h3>At the peak: {escape(format_bytes(total))} ({escape(where)})</h3>",
              '<table class="peak-categories"><tr><th>held by</th><th class="num">bytes</th><th class="num">share</th></tr>',
              *rows, "</table>"]

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 from typing import Iterator, Mapping
 
 import torch
 
-_SIZES: contextvars.ContextVar[Mapping[object, int]] = contextvars.ContextVar("memcompile_sizes", default={})
+_SIZES: contextvars.ContextVar[Mapping[object, int]] = contextvars.ContextVar(
+    "memcompile_sizes", default=types.MappingProxyType({}))
 # expression -> int under the current sizes (sympy substitution is slow; planners ask often)
-_VALUES: contextvars.ContextVar[dict] = contextvars.ContextVar("memcompile_size_values", default={})
+_VALUES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("memcompile_size_values", default=None)
 
 
 @contextlib.contextmanager
@@ -39,6 +41,8 @@ def size_value(value: object, unknown: int = 4096) -> int:
     expr = value.node.expr
     if sizes and hasattr(expr, "xreplace"):
         values = _VALUES.get()
+        if values is None:  # sizes set without planning_sizes: nothing remembered
+            values = {}
         if expr not in values:
             substituted = expr.xreplace(sizes)
             is_number = isinstance(substituted, int) or getattr(substituted, "is_number", False)

@@ -34,6 +34,8 @@ from memcompile.passes.liveness import op_scratch_bytes
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for
 from memcompile.solver.activations import ActivationProblem, StoreChoice
 
+_DEFAULT_STORE = StoreOptions()  # the defaults: what analyze_joint_graph offers unless told
+
 NEVER = -1
 log = logging.getLogger("memcompile")
 
@@ -152,7 +154,7 @@ def analyze_joint_graph(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int],
     profile: DeviceProfile,
-    store: StoreOptions = StoreOptions(),
+    store: StoreOptions = _DEFAULT_STORE,
     fuse: bool = False,
 ) -> JointAnalysis:
     """`fuse`: the graphs go to Inductor, so temporaries it inlines (passes/fusion.py) hold no

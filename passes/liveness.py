@@ -293,7 +293,7 @@ def analyze_liveness(
                 if storage.category != STATIC:
                     storage.pinned = True
                     storage.category = GRADIENT
-        for key, (nbytes, creator) in bw_created.items():
+        for key, (_, creator) in bw_created.items():
             if creator.op == "placeholder":
                 live[key] = storages[key]
         for key in [k for k, s in live.items() if not s.pinned and s.last_step < 0]:

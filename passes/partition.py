@@ -2,8 +2,8 @@
 
 Kept activations become forward outputs (saved for backward); recomputed ones are copied into
 the backward, each just before its first reader there. Stored ones (quantized, offloaded) are
-converted right after the forward op that makes them, the stored form is saved, and the backward converts it back just before its first
-reader; recomputations that read a stored tensor read the converted copy.
+converted right after the forward op that makes them, the stored form is saved, and the backward
+converts it back just before its first reader; recomputations that read a stored tensor read the converted copy.
 """
 
 from __future__ import annotations

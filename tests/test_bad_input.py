@@ -100,7 +100,8 @@ def size_strings(draw):
         st.tuples(st.integers(1, 99), st.integers(-2, 6)).map(lambda p: f"{p[0]}e{p[1]}"),
     ))
     space = draw(st.sampled_from(["", " ", "  ", "\t"]))
-    return f"{draw(st.sampled_from(['', ' ']))}{mantissa}{space}{_mixed_case(draw, unit)}{draw(st.sampled_from(['', ' ']))}", mantissa, unit
+    lead, trail = draw(st.sampled_from(['', ' '])), draw(st.sampled_from(['', ' ']))
+    return f"{lead}{mantissa}{space}{_mixed_case(draw, unit)}{trail}", mantissa, unit
 
 
 @settings(max_examples=300, deadline=None)

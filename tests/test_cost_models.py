@@ -151,7 +151,7 @@ def test_cpu_attention_is_timed_by_its_matmuls_forward_and_backward(batch, heads
 
     out = torch.empty(batch, heads, seq, head_dim, dtype=dtype)
     lse = torch.empty(batch, heads, seq, dtype=torch.float32)
-    traced = make_fx(lambda g, q, k, v, o, l: ATTENTION_CPU_BACKWARD(g, q, k, v, o, l, 0.0, causal),
+    traced = make_fx(lambda g, q, k, v, o, lse_: ATTENTION_CPU_BACKWARD(g, q, k, v, o, lse_, 0.0, causal),
                      tracing_mode="fake")(out, q, k, v, out, lse)
     (node,) = [n for n in traced.graph.nodes if n.target == ATTENTION_CPU_BACKWARD]
     expected = 2 * pairs * 5 * head_dim / rate

@@ -3,8 +3,9 @@
 Its CPU smoke mode runs in a subprocess (tiny GPT-2 with one block, FX interpreter, memcompile
 without its loss-head and MLP rewrites, two worker processes: ~35 s on 2 cores at load 5): the rows
 it writes carry every field the table reads, every memcompile row honours its budget and its
-prediction as memcompile.measure_peak measures, and a rerun from those rows runs nothing. The schedule, its time guard, the order of the CUDA rows
-and the max-batch arithmetic are checked without compiling anything."""
+prediction as memcompile.measure_peak measures, and a rerun from those rows runs nothing. The
+schedule, its time guard, the order of the CUDA rows and the max-batch arithmetic are checked
+without compiling anything."""
 
 from __future__ import annotations
 

@@ -116,7 +116,9 @@ def _check_step(model, x, budget: int, regions: int, tol, codegen: str = "aot_ea
     assert len(slots) == regions, slots
     assert predicted <= budget
     assert measured.peak_bytes <= budget
-    assert measured.peak_bytes <= predicted, (measured.peak_bytes, predicted, budget, backend.ledger.eager_bytes(), backend.measured_steps)  # the ledger's sum is an upper bound of the real step
+    # the ledger's sum is an upper bound of the real step
+    assert measured.peak_bytes <= predicted, (measured.peak_bytes, predicted, budget, backend.ledger.eager_bytes(),
+                                              backend.measured_steps)
     return {"predicted": predicted, "measured": measured.peak_bytes, "budget": budget, "backend": backend}
 
 

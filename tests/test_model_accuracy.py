@@ -208,7 +208,8 @@ def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
     def fake_check(joint, analysis, solution, *args, **kwargs):
         # Storing `target` lowers the peak; recomputing anything raises it.
         checks.append(solution.decisions)
-        peak = base - (1000 if target in dict(solution.stored) else 0) + (10 if solution.recompute - keep_all.solution.recompute else 0)
+        peak = (base - (1000 if target in dict(solution.stored) else 0)
+                + (10 if solution.recompute - keep_all.solution.recompute else 0))
         return dataclasses.replace(keep_all, solution=solution, timeline=dataclasses.replace(keep_all.timeline, peak_bytes=peak))
 
     monkeypatch.setattr(planner, "_rewrite_and_check", fake_check)

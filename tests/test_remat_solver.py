@@ -201,7 +201,8 @@ def test_proven_cost_bound_never_exceeds_the_true_optimum(p: RematProblem, data)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(p=st.one_of(skip_chains(max_n=8), skip_chains(max_n=8), dags(max_n=7, pinned=True), dags(min_n=5, max_n=8)), data=st.data())
+@given(p=st.one_of(skip_chains(max_n=8), skip_chains(max_n=8), dags(max_n=7, pinned=True), dags(min_n=5, max_n=8)),
+       data=st.data())
 def test_segment_cover_bound_never_exceeds_the_true_optimum(p: RematProblem, data) -> None:
     # Valid for every schedule (exhaustive search), never weaker than one first computation alone.
     p0, c0 = replay(p, baseline_schedule(p))
@@ -565,7 +566,8 @@ def test_event_level_fallback_returns_valid_schedules_above_the_proven_bound(p: 
 
     p0, c0 = replay(p, baseline_schedule(p))
     budget = data.draw(st.integers(min(peak_lower_bound(p), p0), p0), label="budget")
-    no_plan = lambda problem, capacity, substeps, c, deadline, cheapest=False, chain_deadline=None: (R._make_grid(problem, substeps, c), None, False)  # noqa: E731
+    def no_plan(problem, capacity, substeps, c, deadline, cheapest=False, chain_deadline=None):
+        return R._make_grid(problem, substeps, c), None, False
     with mock.patch.object(R, "_LARGE_MODEL", -1), mock.patch.object(R, "_grid_with_greedy_plan", no_plan):
         result = solve_remat(p, budget, time_limit_s=0.5)
     event(result.status)
@@ -589,7 +591,8 @@ def test_event_level_fallback_schedule_is_proven_optimal_when_the_bound_reaches_
 
     preds = ((), (0,), (0, 1), (2,), (3,), (4,), (5,), (2, 6), (0, 7))
     p = RematProblem(tuple(f"n{i}" for i in range(9)), preds, (0, 1, 0, 0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 2, 9, 3, 8, 1))
-    no_plan = lambda problem, capacity, substeps, c, deadline, cheapest=False, chain_deadline=None: (R._make_grid(problem, substeps, c), None, False)  # noqa: E731
+    def no_plan(problem, capacity, substeps, c, deadline, cheapest=False, chain_deadline=None):
+        return R._make_grid(problem, substeps, c), None, False
     with mock.patch.object(R, "_LARGE_MODEL", -1), mock.patch.object(R, "_grid_with_greedy_plan", no_plan):
         result = solve_remat(p, 12, time_limit_s=5)
     assert replay(p, result.schedule) == (result.peak, result.cost) and result.peak <= 12

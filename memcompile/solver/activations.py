@@ -310,7 +310,7 @@ def step_loads(
         most_before = running if t * scale < node_slot else None
         while k < len(slots) and slots[k] < node_slot:
             running += diff[slots[k]]
-            most_before = max(most_before, running)
+            most_before = running if most_before is None else max(most_before, running)
             k += 1
         while k < len(slots) and slots[k] <= node_slot:
             running += diff[slots[k]]
@@ -535,53 +535,53 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
     n, horizon = len(problem.names), problem.num_steps
     last = horizon - 1
     scale = n + 1
-    keep = [model.NewBoolVar(f"keep_{i}") for i in range(n)]
-    recompute = [model.NewBoolVar(f"recompute_{i}") for i in range(n)]
-    store = [[model.NewBoolVar(f"store_{i}_{k}") for k in range(len(problem.choices_of(i)))] for i in range(n)]
-    start = [model.NewIntVar(0, last, f"start_{i}") for i in range(n)]  # step of materialisation
-    end = [model.NewIntVar(-1, horizon * scale, f"end_{i}") for i in range(n)]  # fine slot
+    keep = [model.new_bool_var(f"keep_{i}") for i in range(n)]
+    recompute = [model.new_bool_var(f"recompute_{i}") for i in range(n)]
+    store = [[model.new_bool_var(f"store_{i}_{k}") for k in range(len(problem.choices_of(i)))] for i in range(n)]
+    start = [model.new_int_var(0, last, f"start_{i}") for i in range(n)]  # step of materialisation
+    end = [model.new_int_var(-1, horizon * scale, f"end_{i}") for i in range(n)]  # fine slot
     readers = problem.readers()
     intervals, demands = [], []
     for i in range(n):
         held = [keep[i]] + store[i]
         if not problem.can_keep[i]:
-            model.Add(sum(held) == 0)
+            model.add(sum(held) == 0)
         if not problem.can_recompute[i]:
-            model.Add(recompute[i] == 0)
+            model.add(recompute[i] == 0)
         if problem.same_op_as and 0 <= problem.same_op_as[i] != i:
-            model.Add(recompute[i] == recompute[problem.same_op_as[i]])
+            model.add(recompute[i] == recompute[problem.same_op_as[i]])
         if problem.needed_by_backward(i):
-            model.Add(sum(held) + recompute[i] == 1)
+            model.add(sum(held) + recompute[i] == 1)
         else:
-            model.Add(sum(held) + recompute[i] <= sum(recompute[c] for c in readers[i]))
+            model.add(sum(held) + recompute[i] <= sum(recompute[c] for c in readers[i]))
             for c in readers[i]:
-                model.Add(sum(held) + recompute[i] >= recompute[c])
+                model.add(sum(held) + recompute[i] >= recompute[c])
         # The rewrite materialises a value just before its first reader: start is exactly
         # max(recompute_from, min(first direct read, starts of recomputed readers)), as `placement`.
-        first_need = [min(problem.first_read[i], horizon)]
+        first_need: list[int | cp_model.IntVar] = [min(problem.first_read[i], horizon)]
         for c in readers[i]:
-            need_c = model.NewIntVar(0, horizon, f"need_{i}_{c}")
-            model.Add(need_c == start[c]).OnlyEnforceIf(recompute[c])
-            model.Add(need_c == horizon).OnlyEnforceIf(recompute[c].Not())
+            need_c = model.new_int_var(0, horizon, f"need_{i}_{c}")
+            model.add(need_c == start[c]).only_enforce_if(recompute[c])
+            model.add(need_c == horizon).only_enforce_if(recompute[c].negated())
             first_need.append(need_c)
-        earliest = model.NewIntVar(0, horizon, f"earliest_{i}")
-        model.AddMinEquality(earliest, first_need)
-        placed = model.NewIntVar(0, horizon, f"placed_{i}")
-        model.AddMaxEquality(placed, [earliest, min(problem.recompute_from[i], horizon)])
-        model.AddMinEquality(start[i], [placed, last])
+        earliest = model.new_int_var(0, horizon, f"earliest_{i}")
+        model.add_min_equality(earliest, first_need)
+        placed = model.new_int_var(0, horizon, f"placed_{i}")
+        model.add_max_equality(placed, [earliest, min(problem.recompute_from[i], horizon)])
+        model.add_min_equality(start[i], [placed, last])
         if problem.last_read[i] >= 0:
-            model.Add(end[i] >= problem.last_read[i] * scale + scale - 1)
+            model.add(end[i] >= problem.last_read[i] * scale + scale - 1)
         for c in readers[i]:
             reach = end[c] if problem.reads_until_reader_ends(c, i) else start[c] * scale + c
-            model.Add(end[i] >= reach).OnlyEnforceIf(recompute[c])
+            model.add(end[i] >= reach).only_enforce_if(recompute[c])
         if problem.nbytes[i] == 0:
             continue
         size_cap = horizon * scale
         if problem.keep_from[i] <= last:
             first_slot = _hold_slot(problem, i, scale)
-            model.Add(end[i] >= first_slot - 1).OnlyEnforceIf(keep[i])
-            size = model.NewIntVar(0, size_cap, f"keep_size_{i}")
-            intervals.append(model.NewOptionalIntervalVar(first_slot, size, end[i] + 1, keep[i], f"keep_iv_{i}"))
+            model.add(end[i] >= first_slot - 1).only_enforce_if(keep[i])
+            size = model.new_int_var(0, size_cap, f"keep_size_{i}")
+            intervals.append(model.new_optional_interval_var(first_slot, size, end[i] + 1, keep[i], f"keep_iv_{i}"))
             demands.append(problem.nbytes[i])
         if problem.recompute_from[i] <= last:
             # Recomputed or dequantized: the full tensor from its materialisation slot on.
@@ -590,58 +590,59 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
                 store[i][k] for k, ch in enumerate(problem.choices_of(i)) if ch.kind == "quantize"]
             present = materialised[0] if materialised else None
             if len(materialised) > 1:
-                present = model.NewBoolVar(f"materialised_{i}")
-                model.Add(present == sum(materialised))
+                present = model.new_bool_var(f"materialised_{i}")
+                model.add(present == sum(materialised))
             if present is not None:
-                size = model.NewIntVar(0, size_cap, f"recompute_size_{i}")
-                intervals.append(model.NewOptionalIntervalVar(start[i] * scale + i, size, end[i] + 1, present,
+                size = model.new_int_var(0, size_cap, f"recompute_size_{i}")
+                intervals.append(model.new_optional_interval_var(start[i] * scale + i, size, end[i] + 1, present,
                                                               f"recompute_iv_{i}"))
                 demands.append(problem.nbytes[i])
         forward_slot = _hold_slot(problem, i, scale)
         for k, choice in enumerate(problem.choices_of(i)):
             if forward_slot < problem.keep_from[i] * scale:  # its forward buffer, made by saving it
-                intervals.append(model.NewOptionalFixedSizeIntervalVar(
+                intervals.append(model.new_optional_fixed_size_interval_var(
                     forward_slot, problem.keep_from[i] * scale - forward_slot, store[i][k], f"forward_iv_{i}_{k}"))
                 demands.append(problem.nbytes[i])
             if choice.kind == "quantize":
                 first_slot = problem.created_at[i] * scale + scale - 1
-                size = model.NewIntVar(0, size_cap, f"held_size_{i}_{k}")
-                intervals.append(model.NewOptionalIntervalVar(first_slot, size, start[i] * scale + i + 1,
+                size = model.new_int_var(0, size_cap, f"held_size_{i}_{k}")
+                intervals.append(model.new_optional_interval_var(first_slot, size, start[i] * scale + i + 1,
                                                               store[i][k], f"held_iv_{i}_{k}"))
                 demands.append(choice.stored_bytes)
                 if choice.store_transient_bytes:
-                    intervals.append(model.NewOptionalFixedSizeIntervalVar(first_slot, 1, store[i][k],
+                    intervals.append(model.new_optional_fixed_size_interval_var(first_slot, 1, store[i][k],
                                                                            f"store_scratch_{i}_{k}"))
                     demands.append(choice.store_transient_bytes)
                 if choice.load_transient_bytes:
-                    intervals.append(model.NewOptionalFixedSizeIntervalVar(start[i] * scale + i, 1, store[i][k],
+                    intervals.append(model.new_optional_fixed_size_interval_var(start[i] * scale + i, 1, store[i][k],
                                                                            f"load_scratch_{i}_{k}"))
                     demands.append(choice.load_transient_bytes)
                 continue
             a, b = problem.keep_from[i] * scale, choice.release_step * scale + scale - 1
             if a <= b:
-                intervals.append(model.NewOptionalIntervalVar(a, b - a + 1, b + 1, store[i][k], f"copyout_iv_{i}_{k}"))
+                intervals.append(model.new_optional_interval_var(a, b - a + 1, b + 1, store[i][k], f"copyout_iv_{i}_{k}"))
                 demands.append(problem.nbytes[i])
-            reload = model.NewIntVar(0, horizon, f"reload_{i}_{k}")
-            ahead = model.NewIntVar(-horizon, horizon, f"ahead_{i}_{k}")
-            model.Add(ahead == start[i] - choice.prefetch_steps)
-            model.AddMaxEquality(reload, [ahead, min(problem.recompute_from[i], horizon)])
-            size = model.NewIntVar(0, size_cap, f"reload_size_{i}_{k}")
-            intervals.append(model.NewOptionalIntervalVar(reload * scale + i, size, end[i] + 1, store[i][k],
+            reload = model.new_int_var(0, horizon, f"reload_{i}_{k}")
+            ahead = model.new_int_var(-horizon, horizon, f"ahead_{i}_{k}")
+            model.add(ahead == start[i] - choice.prefetch_steps)
+            model.add_max_equality(reload, [ahead, min(problem.recompute_from[i], horizon)])
+            size = model.new_int_var(0, size_cap, f"reload_size_{i}_{k}")
+            intervals.append(model.new_optional_interval_var(reload * scale + i, size, end[i] + 1, store[i][k],
                                                           f"reload_iv_{i}_{k}"))
             demands.append(problem.nbytes[i])
     _add_exactness(model, problem, recompute, store)
     for a, b, fixed in _fixed_segments(problem, scale):
         if fixed:
-            intervals.append(model.NewIntervalVar(a, b - a + 1, b + 1, f"fixed_{a}"))
+            intervals.append(model.new_interval_var(a, b - a + 1, b + 1, f"fixed_{a}"))
             demands.append(fixed)
+    capacity: cp_model.IntVar | int
     if budget_bytes is None:
-        capacity = model.NewIntVar(0, sum(problem.nbytes) + max(problem.fixed_bytes, default=0), "peak")
-        model.Minimize(capacity)
+        capacity = model.new_int_var(0, sum(problem.nbytes) + max(problem.fixed_bytes, default=0), "peak")
+        model.minimize(capacity)
     else:
         capacity = budget_bytes
-        model.Minimize(_time_objective(model, problem, recompute, store))
-    model.AddCumulative(intervals, demands, capacity)
+        model.minimize(_time_objective(model, problem, recompute, store))
+    model.add_cumulative(intervals, demands, capacity)
     return _Model(model, keep, recompute, store, start, end)
 
 
@@ -657,13 +658,13 @@ def _add_exactness(model: cp_model.CpModel, problem: ActivationProblem, recomput
         inherited = [lossy[j] for j in problem.recompute_reads[i] if j in lossy] if problem.can_recompute[i] else []
         if not sources and not inherited:
             continue
-        var = model.NewBoolVar(f"lossy_{i}")
+        var = model.new_bool_var(f"lossy_{i}")
         for q in sources:
-            model.Add(var >= q)
+            model.add(var >= q)
         for parent in inherited:
-            model.Add(var >= parent + recompute[i] - 1)
+            model.add(var >= parent + recompute[i] - 1)
         if problem.must_be_exact[i]:
-            model.Add(var == 0)
+            model.add(var == 0)
         lossy[i] = var
 
 
@@ -686,8 +687,8 @@ def _time_objective(model: cp_model.CpModel, problem: ActivationProblem, recompu
         total_link = sum(link_terms)
         cap = sum(_units(problem.choices_of(i)[k].link_s) for i, b in enumerate(store) for k in range(len(b)))
         for phase, compute_s in (("forward", problem.forward_compute_s), ("backward", problem.backward_compute_s)):
-            exposed = model.NewIntVar(0, cap, f"exposed_{phase}")
-            model.Add(exposed >= total_link - _units(compute_s))
+            exposed = model.new_int_var(0, cap, f"exposed_{phase}")
+            model.add(exposed >= total_link - _units(compute_s))
             terms.append(exposed)
     return sum(terms)
 
@@ -704,12 +705,12 @@ def _add_hint(problem: ActivationProblem, built: _Model, hint) -> None:
     hint_start, _ = placement(problem, recompute)
     hint_end = fine_ends(problem, recompute, hint_start)
     for i in range(len(problem.names)):
-        built.model.AddHint(built.keep[i], i in keep)
-        built.model.AddHint(built.recompute[i], i in recompute)
+        built.model.add_hint(built.keep[i], i in keep)
+        built.model.add_hint(built.recompute[i], i in recompute)
         for k, var in enumerate(built.store[i]):
-            built.model.AddHint(var, (i, k) in stored)
-        built.model.AddHint(built.start[i], hint_start[i])
-        built.model.AddHint(built.end[i], hint_end[i])
+            built.model.add_hint(var, (i, k) in stored)
+        built.model.add_hint(built.start[i], hint_start[i])
+        built.model.add_hint(built.end[i], hint_end[i])
 
 
 def solve_activation_plan(
@@ -755,7 +756,8 @@ def solve_activation_plan(
     return ActivationSolution(*best, peak, added, best_status, min(lower_s, added), time.perf_counter() - began)
 
 
-def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, workers: int = 2, seed: int = 0) -> ActivationSolution:
+def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, workers: int = 2,
+                   seed: int = 0) -> ActivationSolution:
     """The decisions with the least modelled peak: the smallest budget this model can meet."""
     began = time.perf_counter()
     built = _build_model(problem, None)

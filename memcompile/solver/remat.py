@@ -46,7 +46,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import networkx as nx
 import numpy as np  # installed with ortools
@@ -224,7 +224,7 @@ def _make_grid(problem: RematProblem, substeps: int | None, max_computations: in
 def _computations_allowed(problem: RematProblem, v: int, c: int, first: int, horizon: int) -> int:
     # Presolve: recomputing a sink, a size-0 tensor or a pinned node never helps / is not allowed,
     # and a recomputation needs a free stage between it and the first computation.
-    if not problem.recomputable[v] or not problem.succs[v] or problem.size[v] == 0:
+    if not problem.may_recompute[v] or not problem.succs[v] or problem.size[v] == 0:
         return 1
     return c if first + 2 <= horizon - 1 else 1
 
@@ -405,7 +405,7 @@ def _first_useful_split(
         by_node.setdefault(iv.node, []).append(iv)
     excess = np.asarray(loads, dtype=np.int64) - capacity
     for t in overloaded[:5]:  # the worst stages first; a few suffice to find progress
-        best: tuple[float, int, int] | None = None
+        best: tuple[float, int, int, tuple[int, ...]] | None = None
         for iv in intervals:
             v = iv.node
             if not (iv.start < t < iv.end) or t in uses[v] or len(computes[v]) >= grid.max_computations[v]:
@@ -414,7 +414,7 @@ def _first_useful_split(
             last_use = max([s for s in uses[v] if iv.start <= s < t], default=iv.start)
             # Recomputing a little before the next use can keep the inputs off that (busy) stage.
             for redo in range(next_use, max(t, next_use - 2), -1):
-                options = [()]
+                options: list[tuple[int, ...]] = [()]
                 if chains:
                     chain = _chainable_inputs(problem, grid, by_node, computes, v, t, redo)
                     options += [chain] if chain else []
@@ -549,7 +549,7 @@ def _build_model(problem: RematProblem, grid: _Grid, capacity: int, cost_scale: 
                 _require_input_resident(rm, slot, j, u)
     _add_memory_limit(problem, rm, capacity, grid.horizon)
     _add_first_compute_covers(problem, rm, capacity)
-    model.Minimize(
+    model.minimize(
         sum(round(problem.cost[v] * cost_scale) * slot.present for v in range(problem.n) for slot in slots[v][1:])
     )
     return rm
@@ -558,18 +558,18 @@ def _build_model(problem: RematProblem, grid: _Grid, capacity: int, cost_scale: 
 def _node_slots(model: cp_model.CpModel, grid: _Grid, v: int, sink_free_at_once: bool) -> list[_SlotVars]:
     first, last = grid.first(v), grid.horizon - 1
     last_end = first if sink_free_at_once else last
-    slots = [_SlotVars(v, first, model.NewIntVar(first, last_end, f"e{v}_0"), True)]
+    slots = [_SlotVars(v, first, model.new_int_var(first, last_end, f"e{v}_0"), True)]
     for j in range(1, grid.max_computations[v]):
-        present = model.NewBoolVar(f"p{v}_{j}")
-        start = model.NewIntVar(first + 2, last, f"s{v}_{j}")
-        end = model.NewIntVar(first + 2, last, f"e{v}_{j}")
+        present = model.new_bool_var(f"p{v}_{j}")
+        start = model.new_int_var(first + 2, last, f"s{v}_{j}")
+        end = model.new_int_var(first + 2, last, f"e{v}_{j}")
         prev = slots[-1]
-        model.Add(end >= start)
-        model.AddImplication(present, prev.present)
+        model.add(end >= start)
+        model.add_implication(present, prev.present)
         # A gap of at least one stage: back-to-back intervals are dominated by one longer interval.
-        model.Add(start >= prev.end + 2).OnlyEnforceIf(present)
-        model.Add(start == last).OnlyEnforceIf(present.Not())  # pin unused slots (symmetry)
-        model.Add(end == last).OnlyEnforceIf(present.Not())
+        model.add(start >= prev.end + 2).only_enforce_if(present)
+        model.add(start == last).only_enforce_if(present.negated())  # pin unused slots (symmetry)
+        model.add(end == last).only_enforce_if(present.negated())
         slots.append(_SlotVars(v, start, end, present))
     return slots
 
@@ -579,19 +579,19 @@ def _require_input_resident(rm: _RematModel, slot: _SlotVars, j: int, u: int) ->
     model = rm.model
     options = []
     for k, inp in enumerate(rm.slots[u]):
-        cover = model.NewBoolVar(f"c{slot.node}_{j}_{u}_{k}")
+        cover = model.new_bool_var(f"c{slot.node}_{j}_{u}_{k}")
         if k > 0:
-            model.AddImplication(cover, inp.present)
-            model.Add(inp.start <= slot.start).OnlyEnforceIf(cover)
-        model.Add(inp.end >= slot.start).OnlyEnforceIf(cover)
+            model.add_implication(cover, inp.present)
+            model.add(inp.start <= slot.start).only_enforce_if(cover)
+        model.add(inp.end >= slot.start).only_enforce_if(cover)
         if j > 0:
-            model.AddImplication(cover, slot.present)
+            model.add_implication(cover, slot.present)
         rm.cover[(slot.node, j, u, k)] = cover
         options.append(cover)
     if j == 0:
-        model.AddBoolOr(options)
+        model.add_bool_or(options)
     else:
-        model.AddBoolOr(options + [slot.present.Not()])
+        model.add_bool_or(options + [cast(cp_model.IntVar, slot.present).negated()])  # a later slot: a variable
 
 
 def _add_memory_limit(problem: RematProblem, rm: _RematModel, capacity: int, horizon: int) -> None:
@@ -600,15 +600,15 @@ def _add_memory_limit(problem: RematProblem, rm: _RematModel, capacity: int, hor
     intervals, demands = [], []
     for v in sized:
         for j, slot in enumerate(rm.slots[v]):
-            length = rm.model.NewIntVar(1, horizon, f"l{v}_{j}")
+            length = rm.model.new_int_var(1, horizon, f"l{v}_{j}")
             rm.lengths[(v, j)] = length
             if j == 0:
-                iv = rm.model.NewIntervalVar(slot.start, length, slot.end + 1, f"i{v}_{j}")
+                iv = rm.model.new_interval_var(slot.start, length, slot.end + 1, f"i{v}_{j}")
             else:
-                iv = rm.model.NewOptionalIntervalVar(slot.start, length, slot.end + 1, slot.present, f"i{v}_{j}")
+                iv = rm.model.new_optional_interval_var(slot.start, length, slot.end + 1, slot.present, f"i{v}_{j}")
             intervals.append(iv)
             demands.append(problem.size[v] // unit)
-    rm.model.AddCumulative(intervals, demands, capacity // unit)
+    rm.model.add_cumulative(intervals, demands, capacity // unit)
 
 
 def _add_first_compute_covers(problem: RematProblem, rm: _RematModel, capacity: int) -> None:
@@ -618,12 +618,12 @@ def _add_first_compute_covers(problem: RematProblem, rm: _RematModel, capacity: 
     first computation still reads is resident too unless it gets recomputed (slot 1 present).
     """
     demand_if_never_recomputed = _first_compute_demand(problem)
-    for t, (mandatory, optional) in enumerate(demand_if_never_recomputed):
+    for mandatory, optional in demand_if_never_recomputed:
         if mandatory + sum(problem.size[x] for x in optional) <= capacity:
             continue  # the stage fits even if nothing is recomputed
         recomputed = {x: rm.slots[x][1].present for x in optional if len(rm.slots[x]) > 1}
         fixed = sum(problem.size[x] for x in optional if x not in recomputed)
-        rm.model.Add(
+        rm.model.add(
             sum(problem.size[x] * (1 - r) for x, r in recomputed.items()) <= capacity - mandatory - fixed
         )
 
@@ -676,7 +676,7 @@ def segment_cover_bound(problem: RematProblem, budget: int) -> float:
             continue
         relief: dict[tuple[int, int], int] = {}
         for x in live:
-            if problem.recomputable[x] and problem.size[x] > 0:
+            if problem.may_recompute[x] and problem.size[x] > 0:
                 next_reader = readers[x][bisect.bisect_right(readers[x], t)]
                 relief[(x, next_reader)] = min(problem.size[x], excess)  # one tensor covers at most all
         if sum(relief.values()) < excess:
@@ -758,7 +758,7 @@ def input_aware_cover_bound(
             idle = [
                 (x, readers[x][bisect.bisect_right(readers[x], t)], _dead_inputs(problem, x, t))
                 for x in live
-                if problem.recomputable[x] and size[x] > 0
+                if problem.may_recompute[x] and size[x] > 0
             ]
             rows[t] = (excess, idle)
     if not rows:
@@ -842,7 +842,7 @@ def _recomputed_late(
     u's inputs then: one whose last reader precedes t is resident at t (k) or computed again
     after t too (zt, recursively, `depth` levels). Empty where u may not be recomputed.
     """
-    if not problem.recomputable[u]:
+    if not problem.may_recompute[u]:
         return {}
     key = ("zt", u, t)
     if key not in lp.cost:
@@ -881,12 +881,12 @@ class _LowerBoundLp:
         self._pywraplp = pywraplp
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
         self.cost: dict[object, float] = {}
-        self.vars: dict[object, object] = {}
-        self.rows: list[tuple[object, dict[object, float], float]] = []
+        self.vars: dict[object, Any] = {}  # pywraplp variables
+        self.rows: list[tuple[Any, dict[object, float], float]] = []
         self.added_rows: set[int] = set()
         self.solution: dict[object, float] | None = None
 
-    def var(self, key: object, cost: float) -> object:
+    def var(self, key: object, cost: float) -> Any:
         if key not in self.vars:
             self.cost[key] = float(cost)
             self.vars[key] = self.solver.NumVar(0.0, 1.0, "")
@@ -966,38 +966,38 @@ def _stage_closure_model(problem: RematProblem, t: int, capacity: int, scale: in
             closure.add(v)
             stack.extend(problem.preds[v])
     model = cp_model.CpModel()
-    resident = {v: model.NewBoolVar(f"r{v}") for v in sorted(closure)}
-    again = {v: model.NewBoolVar(f"a{v}") for v in sorted(closure)}
-    model.Add(sum(problem.size[v] * resident[v] for v in closure) <= capacity - mandatory)
+    resident = {v: model.new_bool_var(f"r{v}") for v in sorted(closure)}
+    again = {v: model.new_bool_var(f"a{v}") for v in sorted(closure)}
+    model.add(sum(problem.size[v] * resident[v] for v in closure) <= capacity - mandatory)
     for v in waiting:
-        model.AddBoolOr([resident[v], again[v]])
+        model.add_bool_or([resident[v], again[v]])
     for v in closure:
-        if not problem.recomputable[v]:
-            model.Add(again[v] == 0)
+        if not problem.may_recompute[v]:
+            model.add(again[v] == 0)
         for u in problem.preds[v]:
             if u not in inputs:
-                model.AddBoolOr([again[v].Not(), resident[u], again[u]])
-    model.Minimize(sum(round(problem.cost[v] * scale) * again[v] for v in closure))
+                model.add_bool_or([again[v].negated(), resident[u], again[u]])
+    model.minimize(sum(round(problem.cost[v] * scale) * again[v] for v in closure))
     return model
 
 
 def _fractional_cover_cost(problem: RematProblem, candidates: list[int], excess: int) -> float:
     if excess <= 0:
         return 0.0
-    paid = 0.0
-    movable = [x for x in candidates if problem.recomputable[x] and problem.size[x] > 0]
+    paid, left = 0.0, float(excess)
+    movable = [x for x in candidates if problem.may_recompute[x] and problem.size[x] > 0]
     for x in sorted(movable, key=lambda x: problem.cost[x] / problem.size[x]):
-        take = min(1.0, excess / problem.size[x])
+        take = min(1.0, left / problem.size[x])
         paid += take * problem.cost[x]
-        excess -= take * problem.size[x]
-        if excess <= 0:
+        left -= take * problem.size[x]
+        if left <= 0:
             return paid
     return math.inf
 
 
 def _add_hint(problem: RematProblem, rm: _RematModel, grid: _Grid, computes: list[list[int]]) -> None:
     for var, value in _plan_values(problem, rm, grid, computes):
-        rm.model.AddHint(var, value)
+        rm.model.add_hint(var, value)
 
 
 def _plan_values(
@@ -1014,9 +1014,9 @@ def _plan_values(
         for j, slot in enumerate(slots):
             used = j < len(per_node[v])
             start, end = (per_node[v][j].start, per_node[v][j].end) if used else (last, last)
-            if j > 0:
-                values.append((slot.present, int(used)))
-                values.append((slot.start, start))
+            if j > 0:  # (slot 0 is always present, from its first computation: no variables)
+                values.append((cast(cp_model.IntVar, slot.present), int(used)))
+                values.append((cast(cp_model.IntVar, slot.start), start))
             values.append((slot.end, end))
             if (v, j) in rm.lengths:
                 values.append((rm.lengths[(v, j)], end + 1 - start))
@@ -1077,7 +1077,7 @@ def _improve_by_windows(
         lo, hi = centre - width, centre + width
         intervals = _intervals_from_computes(problem, best)
         touching = sorted({iv.node for iv in intervals if iv.start <= hi + 1 and iv.end >= lo - 1})
-        model = rm.model.Clone()
+        model = rm.model.clone()
         proto = model.Proto()
         values = _plan_values(problem, rm, grid, best)
         if rounds % 2:
@@ -1322,8 +1322,8 @@ class _BoundBesideSearch:
         import multiprocessing
 
         self.value = 0.0
-        self._process = None
-        self._conn = None
+        self._process: Any = None  # a forked multiprocessing.Process
+        self._conn: Any = None  # its end of the pipe
         limit = 0.9 * (deadline - time.monotonic())  # room to send the value back before the deadline
         if problem.n <= _INLINE_BOUND_NODES or "fork" not in multiprocessing.get_all_start_methods():
             self.value = input_aware_cover_bound(problem, budget, time_limit_s=_INLINE_BOUND_SHARE * limit)
@@ -1440,10 +1440,10 @@ def _two_phase_solve(
     if first.status in ("optimal", "infeasible") or remaining < 0.05:
         return first
     if first.has_solution:  # warm start: every variable from phase 1's best solution
-        model.ClearHints()
+        model.clear_hints()
         for i in range(len(model.Proto().variables)):
             var = model.get_int_var_from_proto_index(i)
-            model.AddHint(var, first.solver.Value(var))
+            model.add_hint(var, first.solver.Value(var))
     second = run_model(model, time_limit_s=remaining, workers=workers, seed=seed, relative_gap=relative_gap)
     if not second.has_solution or (first.has_solution and first.objective < second.objective):
         # Keep phase 1's schedule; a bound proven in either phase is valid.
@@ -1506,12 +1506,12 @@ def _grid_with_greedy_plan(
     if cheapest:
         run([(c, False, False) for c in cs], time.monotonic() + 0.25 * (deadline - time.monotonic()))
         if best is None:  # the fast variants got stuck: a tight budget, where chains pay most
-            run(chain_choices, chain_deadline)
+            run(chain_choices, chain_deadline if chain_deadline is not None else deadline)
         run([(c, True, False) for c in cs], deadline)
     else:
         run([(c, thorough, False) for c in cs for thorough in (False, True)], deadline)
         if best is None:
-            run(chain_choices, chain_deadline)
+            run(chain_choices, chain_deadline if chain_deadline is not None else deadline)
     if best is None:
         return _make_grid(problem, substeps, cs[0]), None, False
     _, grid, plan, chains = best

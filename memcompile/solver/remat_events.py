@@ -358,7 +358,7 @@ class _Evictor:
             return
         if time.monotonic() > self.deadline:
             raise _OutOfTime
-        if v < self.frontier and not self.p.recomputable[v]:
+        if v < self.frontier and not self.p.may_recompute[v]:
             raise _Stuck
         self.pins[v] += 1
         inputs = []
@@ -453,7 +453,7 @@ class _Evictor:
             need = self._next_need(v, needs)
             if need == math.inf:
                 return v  # nothing can read it again
-            if not self.p.recomputable[v]:
+            if not self.p.may_recompute[v]:
                 continue
             cost = self.p.cost[v] + sum(self._recompute_cost(u, costs, _ANCESTRY_DEPTH - 1) for u in self.p.preds[v])
             score = cost / (self.p.size[v] ** self.w.size_power * (need - self.frontier + 1) ** self.w.distance_power)

@@ -48,6 +48,11 @@ class RematProblem:
     def n(self) -> int:
         return len(self.names)
 
+    @property
+    def may_recompute(self) -> tuple[bool, ...]:
+        """Per node, whether it may be computed again (`recomputable`, filled in when None)."""
+        return self.recomputable if self.recomputable is not None else (True,) * self.n
+
     @cached_property
     def last_use(self) -> tuple[int, ...]:
         """Index of each node's last reader (the node itself for sinks), in first-computation order."""
@@ -76,7 +81,7 @@ def simulate(problem: RematProblem, schedule: Iterable[Event]) -> tuple[int, flo
                 raise InvalidSchedule(f"event {step}: node {v} computed while resident")
             if v > computed_once:
                 raise InvalidSchedule(f"event {step}: node {v} computed before node {computed_once}")
-            if v < computed_once and not problem.recomputable[v]:
+            if v < computed_once and not problem.may_recompute[v]:
                 raise InvalidSchedule(f"event {step}: node {v} may not be recomputed")
             missing = [u for u in problem.preds[v] if not resident[u]]
             if missing:
