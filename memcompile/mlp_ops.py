@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from memcompile.loss_ops import _onednn_matmul_scratch_bytes, _without_autocast
+from memcompile.chunked_ops import without_autocast
+from memcompile.cost_models.cpu_workspace import onednn_matmul_scratch_bytes
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 
@@ -74,7 +75,7 @@ def chunked_mlp(x: torch.Tensor, w_up: torch.Tensor, b_up: Optional[torch.Tensor
                 b_gate: Optional[torch.Tensor], w_down: torch.Tensor, b_down: Optional[torch.Tensor],
                 activation: str, rows: int) -> torch.Tensor:
     """y for x of (tokens, hidden), `rows` tokens at a time."""
-    with _without_autocast(x.device):
+    with without_autocast(x.device):
         y = x.new_empty((x.shape[0], w_down.shape[0]))
         for x_chunk, y_chunk in zip(x.split(rows), y.split(rows)):
             inner = _act_(_project(x_chunk, w_gate if w_gate is not None else w_up,
@@ -114,7 +115,7 @@ def chunked_mlp_backward(grad_y: torch.Tensor, x: torch.Tensor, w_up: torch.Tens
                                     torch.Tensor, torch.Tensor]:
     """(grad x, grad w_up, grad b_up, grad w_gate, grad b_gate, grad w_down, grad b_down); absent
     parameters get empty gradients. Each chunk recomputes its `up` (and `gate`) from x."""
-    with _without_autocast(x.device):
+    with without_autocast(x.device):
         return _backward_chunks(grad_y, x, w_up, b_up, w_gate, b_gate, w_down, b_down, activation, rows)
 
 
@@ -246,8 +247,8 @@ def workspace_bytes(op: object, args: tuple) -> int:
     chunk = min(rows, tokens)
     size = x.element_size()
     gated = w_gate is not None
-    onednn = max(_onednn_matmul_scratch_bytes(chunk, hidden, inner, x.dtype, x.device),
-                 _onednn_matmul_scratch_bytes(chunk, inner, out, x.dtype, x.device))
+    onednn = max(onednn_matmul_scratch_bytes(chunk, hidden, inner, x.dtype, x.device),
+                 onednn_matmul_scratch_bytes(chunk, inner, out, x.dtype, x.device))
     if op is FORWARD:
         return (2 if gated else 1) * chunk * inner * size + onednn + 512
     buffers = (4 if gated else 3) * chunk * inner * size

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile import loss_ops, mlp_ops
+from memcompile.cost_models.cpu_workspace import ONEDNN_SCRATCH_CAP_BYTES
 from memcompile.sizes import size_value
 
 
@@ -276,7 +277,7 @@ _GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.ate
 # events, torch 2.13, Xeon with AVX512-FP16 and AMX-BF16, 1 and 2 threads (exactly per thread),
 # m, k, n from 16 to 4096: float16 up to 6.7 B per element of A, B and C (16x768x16) and 1.7 MB
 # (1024^3); bfloat16 up to 2.7 B (40x16x48) and 1.05 MB (3.5 MB at 1024 x 4096 x 32000). Counted
-# with margin: c x elements, capped as loss_ops caps it (grows with k), plus 8 KiB. float32: none.
+# with margin: c x elements, capped as cost_models/cpu_workspace.py caps it (grows with k), plus 8 KiB. float32: none.
 # float16: 12 B and a 20 KiB floor (was 7 B): one- and two-row GEMMs drawn by the test measured
 # above 7 B x elements: addmm 1x161 @ 161x26 at 8.8 B, 1x142 @ 142x29 at 7.06 B, 2x81 @ 81x26
 # at ~18.2 KB per thread besides the 8 KiB (7 B said 15.8 KB); bfloat16: 6 B (was 5): 1x193 @ 193x22
@@ -303,7 +304,7 @@ def _low_precision_gemm_scratch(node: fx.Node) -> int:
     m, k, n = size_value(a.shape[-2]), size_value(a.shape[-1]), size_value(b.shape[-1])
     blocked = min(max(_GEMM_SCRATCH_PER_ELEMENT[out.dtype] * (m * k + k * n + m * n),
                       _GEMM_SCRATCH_FLOOR[out.dtype]),
-                  loss_ops.ONEDNN_SCRATCH_CAP_BYTES + 2048 * k)
+                  ONEDNN_SCRATCH_CAP_BYTES + 2048 * k)
     skinny = _SKINNY_GEMM_SCRATCH_PER_K[out.dtype] * k
     cap = _SKINNY_GEMM_SCRATCH_CAP[out.dtype]
     per_thread = max(blocked, skinny if cap is None else min(skinny, cap))
@@ -728,3 +729,11 @@ def node_adder(graph: fx.Graph, like: fx.Node):
 
     return add
 
+
+def static_shape(node: object) -> tuple[int, ...] | None:
+    """A Dynamo graph node's shape where every size is an int (its fake example value's); else None."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    shape = tuple(value.shape)
+    return shape if all(isinstance(s, int) for s in shape) else None

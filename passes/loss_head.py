@@ -70,7 +70,7 @@ from torch import fx
 from memcompile import loss_ops
 from memcompile._torch_private import linear_ops
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import node_adder, rewritten_copy
+from memcompile.passes.graph_facts import node_adder, rewritten_copy, static_shape
 
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
@@ -155,14 +155,6 @@ class LossHead:
                                         + passes * logits_bytes / profile.memory_bytes_per_s)
 
 
-def _static_shape(node: object) -> tuple[int, ...] | None:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    shape = tuple(value.shape)
-    return shape if all(isinstance(s, int) for s in shape) else None
-
-
 def _is_call(node: object, targets: set | frozenset) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
@@ -198,7 +190,7 @@ def _seq_window(node: fx.Node) -> tuple[int, int] | None:
     step 1, every other dimension whole; None otherwise."""
     if not _is_call(node, {operator.getitem}) or not isinstance(node.args[0], fx.Node):
         return None
-    shape = _static_shape(node.args[0])
+    shape = static_shape(node.args[0])
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     if shape is None or len(shape) < 2 or index.count(Ellipsis) > 1:
         return None
@@ -284,8 +276,8 @@ def _match(ce: fx.Node, inputs: dict[fx.Node, int], outputs: tuple | None) -> Lo
     if kinds.count("upcast") > 1 or kinds.count("slice") > 1 or linear.kwargs or len(linear.args) not in (2, 3):
         return None
     hidden_node, weight, bias = (*linear.args, None)[:3]
-    logits_shape, view_shape, target_shape = _static_shape(linear), _static_shape(view), _static_shape(target)
-    hidden_shape, loss_value = _static_shape(hidden_node), ce.meta.get("example_value")
+    logits_shape, view_shape, target_shape = static_shape(linear), static_shape(view), static_shape(target)
+    hidden_shape, loss_value = static_shape(hidden_node), ce.meta.get("example_value")
     if None in (logits_shape, view_shape, target_shape, hidden_shape) or len(view_shape) != 2 \
             or not isinstance(loss_value, torch.Tensor):
         return None

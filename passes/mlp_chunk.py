@@ -31,7 +31,7 @@ from torch import fx
 from memcompile import mlp_ops
 from memcompile._torch_private import gelu_ops, linear_ops, silu_ops
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import node_adder, rewritten_copy
+from memcompile.passes.graph_facts import node_adder, rewritten_copy, static_shape
 
 # A chunk's (rows x intermediate) buffers no larger than half the MLP's input (tokens x hidden):
 # the backward's four chunk buffers then hold about what two hidden states hold.
@@ -112,14 +112,6 @@ class MlpBlock:
                 + self.chunks * _OPS_PER_CHUNK * max(profile.op_overhead_s, _EAGER_OP_S))
 
 
-def _static_shape(node: object) -> tuple[int, ...] | None:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    shape = tuple(value.shape)
-    return shape if all(isinstance(s, int) for s in shape) else None
-
-
 def _linear(node: object) -> tuple[fx.Node, fx.Node, object] | None:
     """(input, weight, bias or None) of a linear call with node weights, else None."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in linear_ops()
@@ -170,7 +162,7 @@ def _match(down: fx.Node) -> MlpBlock | None:
         if gate_args is None or len(gate.users) != 1 or gate_args[0] is not up_args[0]:
             return None
     x = up_args[0]
-    x_shape, up_shape, down_shape = _static_shape(x), _static_shape(up), _static_shape(down)
+    x_shape, up_shape, down_shape = static_shape(x), static_shape(up), static_shape(down)
     if None in (x_shape, up_shape, down_shape) or len(x_shape) < 2:
         return None
     hidden, inner, out = x_shape[-1], up_shape[-1], down_shape[-1]
@@ -232,7 +224,7 @@ def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> N
     x, w_up, b_up = _linear(up)
     _, w_gate, b_gate = _linear(gate) if gate is not None else (None, None, None)
     _, w_down, b_down = _linear(down)
-    lead = _static_shape(down)[:-1]
+    lead = static_shape(down)[:-1]
     rows = math.ceil(block.tokens / block.chunks)
     add = node_adder(graph, down)
 
