@@ -17,7 +17,6 @@ from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepO
 from memcompile.measure import PeakMeasurement, measure_peak
 from memcompile.options import Options, make_options, parse_bytes
 from memcompile.plan import Decision, Plan
-from memcompile.registration import MissingBudgetError, UnsupportedModeError, last_named_backend, named_backend
 
 __version__ = "0.1.0"
 
@@ -28,6 +27,20 @@ __all__ = [
     "BatchProbe", "MaxBatch", "max_batch",
     "MissingBudgetError", "UnsupportedModeError", "last_named_backend", "named_backend",  # backend="memcompile"
 ]
+
+
+# The backend by name (memcompile/registration.py), imported when first asked for: importing it
+# watches Dynamo's frame conversions (backend.watch_skipped_frames), which a bare `import memcompile`
+# must not do to a process that never compiles with memcompile.
+_BY_NAME = ("MissingBudgetError", "UnsupportedModeError", "last_named_backend", "named_backend")
+
+
+def __getattr__(name: str) -> object:
+    if name in _BY_NAME:
+        from memcompile import registration
+
+        return getattr(registration, name)
+    raise AttributeError(f"module 'memcompile' has no attribute {name!r}")
 
 
 def budget(limit: int | str, **options: object) -> Backend:

@@ -1008,6 +1008,7 @@ class Backend:
     MEMCOMPILE_BACKEND = True  # how plan_dump knows one without importing this module
 
     def __init__(self, options: Options) -> None:
+        watch_skipped_frames()
         self.options = options
         self.plans: list[Plan] = []
         self.errors: list[Exception] = []
@@ -1402,9 +1403,11 @@ def _on_eager_frame(backend_fn: Any, compile_options: dict, frame: tp.EagerFrame
     backend.frame_runs_eagerly(frame)
 
 
-# Installed when memcompile is imported: a skipped frame never reaches the backend, and this is
-# how its run outside the budget is noticed (see tp.watch_eager_frames).
-tp.watch_eager_frames(_on_eager_frame)
+def watch_skipped_frames() -> None:
+    """From the first backend on (memcompile.budget, or the backend looked up by name): a skipped
+    frame never reaches the backend, and this is how its run outside the budget is noticed (see
+    tp.watch_eager_frames). A process that only imports memcompile runs Dynamo unwatched."""
+    tp.watch_eager_frames(_on_eager_frame)
 
 
 def _for_the_step_so_far(error: InfeasibleBudgetError, position: int) -> InfeasibleBudgetError:

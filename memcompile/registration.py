@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx as fx
 
-from memcompile.backend import Backend
+from memcompile.backend import Backend, watch_skipped_frames
 from memcompile.device_budget import parse_relative
 from memcompile.options import Options, make_options, parse_bytes
 
@@ -41,6 +41,11 @@ class MissingBudgetError(TypeError):
 class UnsupportedModeError(ValueError):
     """`torch.compile(mode=...)` names Inductor presets; memcompile takes `options` instead."""
 
+
+# Dynamo imports this module when it first looks the name up (torch.compile(backend="memcompile")),
+# before any frame of that compile is converted: a frame it skips before any graph reaches a
+# Backend is noticed too.
+watch_skipped_frames()
 
 _named: dict[Options, Backend] = {}
 _last: Backend | None = None

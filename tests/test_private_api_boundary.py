@@ -44,3 +44,36 @@ def test_wheel_installs_everything_under_one_import_name(tmp_path):
     assert "memcompile/solver/activations.py" in names
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"memcompile"}
+
+
+_WATCH_PROBE = """
+import torch
+from torch._dynamo import convert_frame
+from torch._inductor.choices import InductorChoices
+from torch._inductor.codegen.wrapper import AllocateLine
+
+def state():
+    return (getattr(convert_frame.ConvertFrameAssert.__call__, "_memcompile_watched", False),
+            InductorChoices.__dict__["can_fuse_horizontal"], AllocateLine.__dict__["should_reuse_buffer"])
+
+stock = state()
+import memcompile
+assert state() == stock, "importing memcompile changed Dynamo or Inductor"
+memcompile.named_backend  # the by-name API, imported on first use
+assert state()[0], "a backend must watch skipped frames"
+print("ok")
+"""
+
+
+def test_importing_memcompile_leaves_dynamo_and_inductor_as_they_are():
+    """Only a backend (memcompile.budget, or the one looked up by name) watches Dynamo's frame
+    conversions; Inductor's classes change only inside memcompile's own compiles (inductor_rules)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WATCH_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    budget_probe = _WATCH_PROBE.replace("memcompile.named_backend  # the by-name API, imported on first use",
+                                        "memcompile.budget(10**9)")
+    done = subprocess.run([sys.executable, "-c", budget_probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
