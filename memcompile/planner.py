@@ -36,6 +36,7 @@ from memcompile.passes.activation_analysis import (
 )
 from memcompile.passes.calibration import calibrated, step_corrections
 from memcompile.passes.graph_facts import is_aliasing_op, is_random_op, step_device, tensor_nbytes
+from memcompile.passes.tied_gradients import accumulate_tied_embedding_gradients
 from memcompile.passes.liveness import (LivenessTimeline, analyze_liveness, analyze_scheduled_liveness,
                                         with_held_at_backward_start)
 from memcompile.passes.partition import apply_plan
@@ -327,7 +328,7 @@ def _plan_joint_graph(
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     """The plan of one joint graph: read from the plan store where an earlier launch made it for
     the same graph, options and machine (memcompile/plan_store.py), else searched and stored."""
-    joint = tp.prepare_joint_graph(joint)
+    joint = accumulate_tied_embedding_gradients(tp.prepare_joint_graph(joint))
     device = options.device or step_device(joint_inputs)
     key = None
     if options.plan_store_dir and (request is None or request.decisions is None):

@@ -201,7 +201,8 @@ def store_choices_for(
 
 # ---- graph builders ---------------------------------------------------------------------------
 
-def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
+def call_with_value(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None,
+                    name: str | None = None) -> fx.Node:
     """A call_function node with its FakeTensor value computed from its inputs' values."""
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
     vals = fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
@@ -213,21 +214,22 @@ def build_store(graph: fx.Graph, x: fx.Node, choice: StoreChoice) -> list[fx.Nod
     """Forward ops turning x into its quantized form; returns the nodes to save for backward."""
     val = x.meta["val"]
     if choice.format == "bf16":
-        return [_call(graph, prims.convert_element_type.default, (x, torch.bfloat16), name=f"{x.name}_bf16")]
+        return [call_with_value(graph, prims.convert_element_type.default, (x, torch.bfloat16), name=f"{x.name}_bf16")]
     dims = _group_dims(val.shape)
     limit = _INT8_MAX if choice.format == "int8" else _FP8_MAX
-    x32 = x if val.dtype == torch.float32 else _call(graph, prims.convert_element_type.default, (x, torch.float32))
-    absmax = _call(graph, aten.amax.default, (_call(graph, aten.abs.default, (x32,)), dims, True))
+    x32 = x if val.dtype == torch.float32 else call_with_value(graph, prims.convert_element_type.default, (x, torch.float32))
+    absmax = call_with_value(graph, aten.amax.default, (call_with_value(graph, aten.abs.default, (x32,)), dims, True))
     # A floor on the scale: a group of zeros gives 0 / tiny = 0, never 0 / 0.
-    scale = _call(graph, aten.clamp_min.default, (_call(graph, aten.div.Scalar, (absmax, limit)), _TINY),
+    scale = call_with_value(graph, aten.clamp_min.default, (call_with_value(graph, aten.div.Scalar, (absmax, limit)), _TINY),
                   name=f"{x.name}_scale")
-    scaled = _call(graph, aten.div.Tensor, (x32, scale))
+    scaled = call_with_value(graph, aten.div.Tensor, (x32, scale))
     if choice.format == "int8":
-        rounded = _call(graph, aten.clamp_max.default,
-                        (_call(graph, aten.clamp_min.default, (_call(graph, aten.round.default, (scaled,)), -limit)), limit))
-        q = _call(graph, prims.convert_element_type.default, (rounded, torch.int8), name=f"{x.name}_int8")
+        nearest = call_with_value(graph, aten.round.default, (scaled,))
+        above = call_with_value(graph, aten.clamp_min.default, (nearest, -limit))
+        rounded = call_with_value(graph, aten.clamp_max.default, (above, limit))
+        q = call_with_value(graph, prims.convert_element_type.default, (rounded, torch.int8), name=f"{x.name}_int8")
     else:
-        q = _call(graph, prims.convert_element_type.default, (scaled, torch.float8_e4m3fn), name=f"{x.name}_fp8")
+        q = call_with_value(graph, prims.convert_element_type.default, (scaled, torch.float8_e4m3fn), name=f"{x.name}_fp8")
     return [q, scale]
 
 
@@ -235,15 +237,15 @@ def build_load(graph: fx.Graph, stored: list[fx.Node], x: fx.Node, choice: Store
     """Backward ops turning the quantized form back into a tensor like x."""
     val = x.meta["val"]
     if choice.format == "bf16":
-        return _call(graph, prims.convert_element_type.default, (stored[0], val.dtype), name=f"{x.name}_dequant")
+        return call_with_value(graph, prims.convert_element_type.default, (stored[0], val.dtype), name=f"{x.name}_dequant")
     q, scale = stored
     # int8 * float32 promotes to float32 in one op; float8 has no type promotion, so widen first.
-    wide = q if choice.format == "int8" else _call(graph, prims.convert_element_type.default, (q, torch.float32))
+    wide = q if choice.format == "int8" else call_with_value(graph, prims.convert_element_type.default, (q, torch.float32))
     # Pointwise ops and conversions keep x's strides, so backward kernels see the layout they were traced with.
     if val.dtype == torch.float32:
-        return _call(graph, aten.mul.Tensor, (wide, scale), name=f"{x.name}_dequant")
-    restored = _call(graph, aten.mul.Tensor, (wide, scale))
-    return _call(graph, prims.convert_element_type.default, (restored, val.dtype), name=f"{x.name}_dequant")
+        return call_with_value(graph, aten.mul.Tensor, (wide, scale), name=f"{x.name}_dequant")
+    restored = call_with_value(graph, aten.mul.Tensor, (wide, scale))
+    return call_with_value(graph, prims.convert_element_type.default, (restored, val.dtype), name=f"{x.name}_dequant")
 
 
 def build_offload(graph: fx.Graph, x: fx.Node, wait_after: fx.Node, pinned: bool) -> tuple[fx.Node, fx.Node]:
@@ -252,11 +254,11 @@ def build_offload(graph: fx.Graph, x: fx.Node, wait_after: fx.Node, pinned: bool
     (a materialised forward node) so no compiler runs it earlier. Returns (copy, wait); the wait
     is saved."""
     with graph.inserting_before(x.next):
-        copy = _call(graph, COPY_TO_HOST, (x,), name=f"{HOST_PREFIX}{x.name}_copy")
+        copy = call_with_value(graph, COPY_TO_HOST, (x,), name=f"{HOST_PREFIX}{x.name}_copy")
     if wait_after is x:
         wait_after = copy
     with graph.inserting_after(wait_after):
-        wait = _call(graph, WAIT_COPY, (copy, x, wait_after if pinned else None), name=f"{HOST_PREFIX}{x.name}")
+        wait = call_with_value(graph, WAIT_COPY, (copy, x, wait_after if pinned else None), name=f"{HOST_PREFIX}{x.name}")
     return copy, wait
 
 
@@ -302,9 +304,9 @@ def build_reload(graph: fx.Graph, host: fx.Node, x: fx.Node) -> tuple[fx.Node, f
     """Backward: the copy back to x's device and layout, and its wait. Returns (copy, wait); the
     copy is moved earlier once the backward's order is final (`issue_reloads_early`)."""
     val = x.meta["val"]
-    copy = _call(graph, COPY_TO_DEVICE, (host, val.device, list(val.size()), list(val.stride()), None),
+    copy = call_with_value(graph, COPY_TO_DEVICE, (host, val.device, list(val.size()), list(val.stride()), None),
                  name=f"{x.name}_reload")
-    return copy, _call(graph, WAIT_COPY, (copy, None, None), name=f"{x.name}_reloaded")
+    return copy, call_with_value(graph, WAIT_COPY, (copy, None, None), name=f"{x.name}_reloaded")
 
 
 def issue_reloads_early(bw: fx.GraphModule, anchors: dict[str, str]) -> None:
