@@ -589,7 +589,7 @@ class _Region:
         device = options.device or step_device(example_inputs)
         asked = (f"compiled least_peak={request.least_peak} search={request.search_least_peak} "
                  f"partitions_only={request.partitions_only} defer_check={request.defer_check} "
-                 f"rewrite_first_s={request.rewrite_first_s!r} "
+                 f"rewrite_first={request.rewrite_first_s is not None} "
                  f"sizes={self._sizes_key()}")
         return plan_store.outcome_key(gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
                                       options_text=options.describe(), request_text=asked,

@@ -334,8 +334,9 @@ def _plan_joint_graph(
     if options.plan_store_dir and (request is None or request.decisions is None):
         flags = "-" if request is None else (f"least_peak={request.least_peak} search={request.search_least_peak}"
                                              + (" partitions_only" if request.partitions_only else "")
-                                             + (f" rewrite_first_s={request.rewrite_first_s!r}"
-                                                if request.rewrite_first_s is not None else ""))
+                                             # asked, not the estimate: a measured profile moves it
+                                             # between launches, and the key must not
+                                             + (" rewrite_first" if request.rewrite_first_s is not None else ""))
         key = plan_store.outcome_key(
             joint, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices,
             options_text=options.describe(), request_text=flags,
