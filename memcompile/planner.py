@@ -467,8 +467,8 @@ def _search(
             and request.rewrite_first_s <= STOCK_SOLVE_ABOVE * estimated_step_s(joint, profile)):
         # PyTorch's default partition is over the budget, and the rewrite the ladder tries next
         # costs less than any plan could save (STOCK_SOLVE_ABOVE): its graph is planned first.
-        # A search of this one would take a keep-all check, PyTorch's partitions and the solver:
-        # on the GPT style file (12 layers, 1 x 256) 10 s of lowering, for no plan.
+        # A search of this one would take a keep-all check, PyTorch's partitions and the solver,
+        # a lowering each, for a plan at best within noise of the rewritten graph's.
         logs.stage(f"{graph_id}: PyTorch's partition is over the budget; the cheaper rewrite is planned first")
         raise NoSolverPlanFits(budget, floor_at_least, rewrite_first=True)
     if beyond_plans > budget and not request.least_peak:
