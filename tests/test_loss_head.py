@@ -461,6 +461,21 @@ def _head_bound_lm() -> tuple[TinyLM, torch.Tensor]:
     return model, torch.randint(0, 1024, (4, 128))
 
 
+def _calls_with_the_head_chunked(monkeypatch, name: str) -> list[bool]:
+    """Per later call of memcompile.planner.<name>, whether its joint graph has the chunked head."""
+    from memcompile import planner
+
+    calls: list[bool] = []
+    original = getattr(planner, name)
+
+    def recording(joint, *args, **kwargs):
+        calls.append(any("chunked_linear_cross_entropy" in str(n.target) for n in joint.graph.nodes))
+        return original(joint, *args, **kwargs)
+
+    monkeypatch.setattr(planner, name, recording)
+    return calls
+
+
 def test_auto_chunks_the_head_where_no_plan_fits_without_it() -> None:
     model, ids = _head_bound_lm()
     whole_floor, keep_all = budget_range(model, ids, chunk_loss=False)
@@ -503,19 +518,10 @@ def test_the_whole_heads_least_peak_is_not_searched_when_the_chunked_head_fits(m
     head's least-peak search (Llama small at 9.91 MiB: 25 s of a 63 s first call, for a plan the
     chunked head's replaced); the plan and its gradients are as before. Below both floors the
     whole head is planned again, and the error still names the smaller floor."""
-    from memcompile import planner
-
     model, ids = _head_bound_lm()
     whole_floor, _ = budget_range(model, ids, chunk_loss=False)
     chunked_floor, _ = budget_range(model, ids, chunk_loss=True)
-    searched = []
-    original = planner._least_peak_attempt
-
-    def least_peak(joint, *args, **kwargs):
-        searched.append(any("chunked_linear_cross_entropy" in str(n.target) for n in joint.graph.nodes))
-        return original(joint, *args, **kwargs)
-
-    monkeypatch.setattr(planner, "_least_peak_attempt", least_peak)
+    searched = _calls_with_the_head_chunked(monkeypatch, "_least_peak_attempt")
     budget = (chunked_floor + whole_floor) // 2
     backend, compiled = compile_under(model, budget)
     got = grads(list(model.parameters()), lambda: compiled(ids))
@@ -801,8 +807,6 @@ def test_where_the_default_partition_is_over_and_the_head_is_cheap_the_chunked_h
     under STOCK_SOLVE_ABOVE of the step), while its logits set the peak: where PyTorch's default partition of the graph as written
     is over the budget, that graph is not searched (no keep-all check, no partitions, no solver):
     the chunked head's graph is planned at once, and its default partition fits here."""
-    from memcompile import planner
-
     monkeypatch.setattr(op_timing, "TIME_OPS", False)
     fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=True)
     monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
@@ -817,14 +821,7 @@ def test_where_the_default_partition_is_over_and_the_head_is_cheap_the_chunked_h
     torch.compiler.reset()
     model.zero_grad(set_to_none=True)
 
-    searched = []
-    made = planner._new_replanner
-
-    def new_replanner(joint, *args, **kwargs):
-        searched.append(any("chunked_linear_cross_entropy" in str(n.target) for n in joint.graph.nodes))
-        return made(joint, *args, **kwargs)
-
-    monkeypatch.setattr(planner, "_new_replanner", new_replanner)
+    searched = _calls_with_the_head_chunked(monkeypatch, "_new_replanner")
     backend, compiled = compile_under(model, budget, codegen="inductor", chunk_mlp=False, plan_store=False)
     got = grads(params, lambda: compiled(ids))
     (plan,) = backend.plans
