@@ -461,6 +461,14 @@ def _head_bound_lm() -> tuple[TinyLM, torch.Tensor]:
     return model, torch.randint(0, 1024, (4, 128))
 
 
+def _fixed_cpu_profile(monkeypatch) -> None:
+    """Ops costed by a fixed CPU profile, not timed or measured: a loaded machine's numbers would
+    move choices these tests pin down by their rule, not the clock."""
+    monkeypatch.setattr(op_timing, "TIME_OPS", False)
+    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=True)
+    monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
+
+
 def _calls_with_the_head_chunked(monkeypatch, name: str) -> list[bool]:
     """Per later call of memcompile.planner.<name>, whether its joint graph has the chunked head."""
     from memcompile import planner
@@ -544,9 +552,7 @@ def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing(mo
     # below keep-all are met by recomputing those layers, which chunking the head may avoid.
     # Ops are costed by a fixed profile, not timed or measured: a loaded machine's numbers would
     # move the choice between the two budgets, and this tests the choice's rule, not the clock.
-    monkeypatch.setattr(op_timing, "TIME_OPS", False)
-    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=True)
-    monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
+    _fixed_cpu_profile(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, hidden=256, depth=4, bias=True, upcast=False, reduction="mean", ignore_index=-100)
     ids = torch.randint(0, 2048, (4, 128))
@@ -807,9 +813,7 @@ def test_where_the_default_partition_is_over_and_the_head_is_cheap_the_chunked_h
     under STOCK_SOLVE_ABOVE of the step), while its logits set the peak: where PyTorch's default partition of the graph as written
     is over the budget, that graph is not searched (no keep-all check, no partitions, no solver):
     the chunked head's graph is planned at once, and its default partition fits here."""
-    monkeypatch.setattr(op_timing, "TIME_OPS", False)
-    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=True)
-    monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
+    _fixed_cpu_profile(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM(vocab=8192, hidden=1024, depth=4, bias=True, upcast=False, reduction="mean", ignore_index=-100)
     ids = torch.randint(0, 8192, (4, 128))
