@@ -603,6 +603,12 @@ _REDUCTIONS = frozenset({
 # same; not the fallback cases of utils.use_scatter_fallback (reduce other than add/sum, GPU
 # atomics), which these are not.
 _SCATTERS = frozenset({"scatter", "scatter_add", "index_put", "_unsafe_index_put"})
+# Lowered as a copy of their first input that the op then writes into (torch/_inductor/lowering.py:
+# `index_put(x, ...)` is `index_put_impl_(clone(x), ...)`, `_unsafe_masked_index_put_accumulate` an
+# `_unsafe_index_put`, the scatters likewise): the copy's kernel may take over x's buffer where x
+# dies there (scheduler.decide_inplace_update), as the accumulate of an embedding's gradient does.
+_WRITE_OVER_A_COPY = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put",
+                                "_unsafe_masked_index_put_accumulate", "as_strided_scatter"})
 _UNROLL_REDUCTIONS_THRESHOLD = 8  # torch/_inductor/config.py unroll_reductions_threshold
 # Library kernels with a lowering that still need realized inputs (tuned_addmm's mm_args).
 _EXTERN_WITH_LOWERING = frozenset({"addmm", "baddbmm", "_int_mm", "mm", "bmm", "convolution",
@@ -612,6 +618,12 @@ _EXTERN_WITH_LOWERING = frozenset({"addmm", "baddbmm", "_int_mm", "mm", "bmm", "
 def _packet_name(node: fx.Node) -> str:
     packet = getattr(node.target, "overloadpacket", None)
     return getattr(packet, "__name__", "") or str(getattr(node.target, "__name__", node.target)).split(".")[0]
+
+
+def writes_over_a_copy_of_its_first_input(node: fx.Node) -> bool:
+    """Whether Inductor lowers `node` as a copy of its first argument written into in place
+    (_WRITE_OVER_A_COPY), so that the copy may reuse that argument's buffer where it dies."""
+    return node.op == "call_function" and _packet_name(node) in _WRITE_OVER_A_COPY
 
 
 def _is_small_reduction(node: fx.Node) -> bool:

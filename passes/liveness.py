@@ -36,6 +36,7 @@ from memcompile.passes.graph_facts import (
     is_getitem,
     is_pointwise,
     tensor_nbytes,
+    writes_over_a_copy_of_its_first_input,
 )
 from memcompile.passes.stored_forms import HOST_PREFIX
 
@@ -210,6 +211,7 @@ def _fusion(gm: fx.GraphModule, fuse_pointwise: bool) -> _Fusion:
 def analyze_liveness(
     fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int, *, fuse_pointwise: bool = False,
     saved_names: tuple[str | None, ...] | None = None, rounding: AllocatorRounding = EXACT,
+    scatters_in_place: bool = False,
 ) -> LivenessTimeline:
     """Timeline of live bytes over `fw` then `bw` (AOTAutograd's partitioned graphs).
 
@@ -221,6 +223,8 @@ def analyze_liveness(
     `saved_names`: the names the backward's placeholders know the forward's outputs by, when `fw`
     renamed them (Inductor's post-grad passes turn `add_1 = mm + x` into `addmm_default_1`).
     `rounding`: the bytes each allocation holds on the step's device (cost_models/cuda_allocator.py).
+    `scatters_in_place`: a scatter or index_put writes over its first input where that dies at it,
+    as Inductor's copy of it does (graph_facts.writes_over_a_copy_of_its_first_input).
     """
     storages: dict[str, _Storage] = {}
     steps: list[LiveStep] = []
@@ -252,8 +256,8 @@ def analyze_liveness(
                                   if isinstance(arg, fx.Node)], storages, live, num_fwd_outputs, saved_names)
     static_bytes = live_total()
     _run_phase("forward", fw_nodes, _keys_by_creator(fw_created), live, storages,
-               lambda phase, node: record(phase, node, fw_fused), _in_place_donors(fw_nodes, fw_roots, fw_fused),
-               fw_fused.allocates)
+               lambda phase, node: record(phase, node, fw_fused),
+               _in_place_donors(fw_nodes, fw_roots, fw_fused, scatters_in_place), fw_fused.allocates)
 
     # ---- backward
     if bw is not None:
@@ -299,8 +303,8 @@ def analyze_liveness(
         for key in [k for k, s in live.items() if not s.pinned and s.last_step < 0]:
             del live[key]  # saved tensors backward never reads
         _run_phase("backward", bw_nodes, _keys_by_creator(bw_created), live, storages,
-                   lambda phase, node: record(phase, node, bw_fused), _in_place_donors(bw_nodes, bw_roots, bw_fused),
-                   bw_fused.allocates)
+                   lambda phase, node: record(phase, node, bw_fused),
+                   _in_place_donors(bw_nodes, bw_roots, bw_fused, scatters_in_place), bw_fused.allocates)
 
     if not steps:
         steps.append(LiveStep("forward", "<empty>", static_bytes))
@@ -321,14 +325,25 @@ def _mark_last_reads(nodes: list[fx.Node], roots: dict, fused: _Fusion, storages
                 storages[key].last_step = max(storages[key].last_step, step)
 
 
-def _in_place_donors(nodes: list[fx.Node], roots: dict, fused: _Fusion) -> dict[fx.Node, list[str]]:
+def _in_place_donors(nodes: list[fx.Node], roots: dict, fused: _Fusion,
+                     scatters: bool = False) -> dict[fx.Node, list[str]]:
     """Storages a generated kernel may write its result into (Inductor's `inplace_buffers`,
     scheduler.decide_inplace_update): for a stored pointwise result, the storages it reads at the
     very element it writes (same shape, strides and dtype) that die at it. Only with fusion on,
-    only for pointwise kernels: extern kernels (mm's out=) never write over their inputs."""
-    if not fused.enabled:
-        return {}
+    only for pointwise kernels: extern kernels (mm's out=) never write over their inputs. With
+    `scatters`, in either mode, a scatter's or index_put's first input (the copy it writes into)."""
     donors: dict[fx.Node, list[str]] = {}
+    if scatters:
+        for node in nodes:
+            first = node.args[0] if writes_over_a_copy_of_its_first_input(node) and node.args else None
+            key = roots.get(first) if isinstance(first, fx.Node) else None
+            out, into = node.meta.get("val"), first.meta.get("val") if key is not None else None
+            if (isinstance(out, torch.Tensor) and isinstance(into, torch.Tensor) and out.is_contiguous()
+                    and into.dtype == out.dtype and into.shape == out.shape and into.stride() == out.stride()
+                    and into.storage_offset() == 0):
+                donors[node] = [key]
+    if not fused.enabled:
+        return donors
     for node in nodes:
         if not is_pointwise(node) or node in fused.inlined or node in fused.either:
             continue

@@ -60,3 +60,30 @@ def test_fused_pointwise_chains_hold_no_buffer():
     plain = forward_peak(analyze_liveness(fw, bw, 1))
     fused = forward_peak(analyze_liveness(fw, bw, 1, fuse_pointwise=True))
     assert fused < plain
+
+
+def test_a_scatter_into_a_dying_temporary_takes_its_buffer_as_inductors_copy_does():
+    """index_put(acc, ...) is lowered as a copy of acc written into: where acc dies there, the
+    copy takes acc's buffer (an embedding's gradient accumulated into a tied head's). The
+    graph-order count with scatters in place holds one of the two, as Inductor's schedule does."""
+    from memcompile.planner import predicted_liveness
+
+    w = torch.randn(1024, 256, requires_grad=True)  # 1 MiB
+    idx = torch.randint(0, 1024, (64,))
+    rows = torch.randn(64, 256)
+
+    def f(w, idx, rows):
+        acc = w * 2  # a temporary that dies at the index_put
+        return torch.index_put(acc, (idx,), rows, accumulate=True).sum()
+
+    (fw, bw), _ = _graphs(f, w, idx, rows)
+    mib = 1024 * 256 * 4
+
+    def forward_peak(timeline):
+        return max(s.live_bytes for s in timeline.steps if s.phase == "forward")
+
+    apart = forward_peak(analyze_liveness(fw, bw, 1))
+    in_place = forward_peak(analyze_liveness(fw, bw, 1, scatters_in_place=True))
+    assert apart - in_place == mib
+    scheduled = forward_peak(predicted_liveness(fw, bw, 1, True))
+    assert abs(scheduled - in_place) < mib // 8
