@@ -448,6 +448,13 @@ def _search(
 
     plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
+    # The rewrite the ladder tries next costs less than any plan of this graph could save
+    # (STOCK_SOLVE_ABOVE): where PyTorch's default partition is over the budget, its graph is
+    # planned first (below), and "over" is taken from the graph-order count without lowering a
+    # copy: if that count is wrong, the rewrite costs no more than noise.
+    rewrite_is_cheap = (request.rewrite_first_s is not None and not request.least_peak
+                        and request.decisions is None and not request.search_least_peak
+                        and request.rewrite_first_s <= STOCK_SOLVE_ABOVE * estimated_step_s(joint, profile))
     if stock_candidates and request.decisions is None and not request.least_peak and not request.partitions_only:
         # Where plain Inductor's own partition fits under its own rules, it is the plan: the
         # fastest we measured at that memory, found with one check instead of three (keep-all,
@@ -456,15 +463,14 @@ def _search(
         logs.stage(f"{graph_id}: checking plain Inductor's partition")
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                           options.allocator_rounding, options.boundary_bytes,
-                                          budget if request.defer_check else None)
+                                          budget if request.defer_check else None,
+                                          unchecked_if_over=rewrite_is_cheap and request.defer_check)
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
             plain, plain_over = None, True
     floor_at_least = beyond_plans + options.reserve_bytes if beyond_plans else 0  # (NoSolverPlanFits)
-    if (plain_over and request.rewrite_first_s is not None and not request.least_peak
-            and request.decisions is None and not request.search_least_peak
-            and request.rewrite_first_s <= STOCK_SOLVE_ABOVE * estimated_step_s(joint, profile)):
+    if plain_over and rewrite_is_cheap:
         # PyTorch's default partition is over the budget, and the rewrite the ladder tries next
         # costs less than any plan could save (STOCK_SOLVE_ABOVE): its graph is planned first.
         # A search of this one would take a keep-all check, PyTorch's partitions and the solver,
@@ -918,7 +924,7 @@ _DEFER_MARGIN = 0.02  # room a plan is deferred with where its graph-order estim
 
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                               rounding: AllocatorRounding, boundary_bytes: int = 0,
-                              screen_budget: int | None = None) -> "_Attempt | None":
+                              screen_budget: int | None = None, unchecked_if_over: bool = False) -> "_Attempt | None":
     """PyTorch's default partition (activation_memory_budget=1.0), checked as plain Inductor
     compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked.
     With `screen_budget`: where the graphs peak within it in graph order with every value a
@@ -926,7 +932,9 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
     scatter's copy of a dying input taking that input's buffer (as Inductor's does: counted
     apart, the GPT style file's tied embedding gradient was held twice at the backward's end,
     147 MiB over the schedule; so counted, 0.1% under it), they are not checked here (the
-    attempt is unchecked: the compile's own schedule checks it, and a plan over is planned again)."""
+    attempt is unchecked: the compile's own schedule checks it, and a plan over is planned again).
+    With `unchecked_if_over` too, where both counts are over `screen_budget`, the second count
+    (unchecked) is returned instead of lowering a copy: the caller needs only to know it is over."""
     try:
         fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=1.0,
                                     num_fwd_outputs=num_fwd_outputs,
@@ -936,11 +944,14 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
         solution = StockSolution(1.0, 0.0, sum(r.held_bytes for r in rows), rows)
         if screen_budget is not None and not (_has_symbolic_sizes(fw) or _has_symbolic_sizes(bw)):
             # (symbolic sizes: the compile schedules at the trace's sizes, not those planned for)
+            counts = []
             for in_place, within in ((True, int(screen_budget * (1 - _DEFER_MARGIN))), (False, screen_budget)):
-                bound = with_held_at_backward_start(analyze_liveness(fw, bw, num_fwd_outputs, rounding=rounding,
-                                                                     scatters_in_place=in_place), boundary_bytes)
-                if bound.peak_bytes <= within:
-                    return _Attempt(solution, fw, bw, bound, checked=False)
+                counts.append(with_held_at_backward_start(analyze_liveness(
+                    fw, bw, num_fwd_outputs, rounding=rounding, scatters_in_place=in_place), boundary_bytes))
+                if counts[-1].peak_bytes <= within:
+                    return _Attempt(solution, fw, bw, counts[-1], checked=False)
+            if unchecked_if_over and counts[0].peak_bytes > screen_budget:
+                return _Attempt(solution, fw, bw, counts[0], checked=False)
         with tp.stock_inductor_rules():
             timeline = predicted_liveness(fw, bw, num_fwd_outputs, True, rounding, boundary_bytes)
     except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
@@ -1042,9 +1053,12 @@ class Replanner:
             if checked <= budget:
                 if best is None or solution.added_time_s < best.solution.added_time_s:
                     best = attempt
-                # The model over-estimated: a plan for a higher target may still fit, and run faster.
+                # The model over-estimated: a plan for a higher target may still fit, and run faster
+                # (not where this one's added time is within noise of the step: STOCK_SOLVE_ABOVE).
                 slack = budget - checked
-                if raised >= _MAX_RAISES or slack <= _RAISE_MIN_SLACK * budget or solution.added_time_s <= 0:
+                if (raised >= _MAX_RAISES or slack <= _RAISE_MIN_SLACK * budget or solution.added_time_s <= 0
+                        or (self.stock is not None
+                            and solution.added_time_s <= STOCK_SOLVE_ABOVE * self.stock.step_time_s())):
                     break
                 raised += 1
                 target += slack
