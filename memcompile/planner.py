@@ -933,8 +933,9 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
     apart, the GPT style file's tied embedding gradient was held twice at the backward's end,
     147 MiB over the schedule; so counted, 0.1% under it), they are not checked here (the
     attempt is unchecked: the compile's own schedule checks it, and a plan over is planned again).
-    With `unchecked_if_over` too, where both counts are over `screen_budget`, the second count
-    (unchecked) is returned instead of lowering a copy: the caller needs only to know it is over."""
+    With `unchecked_if_over` too, where even the count with scatters in place is over
+    `screen_budget`, that count is returned (unchecked) instead of lowering a copy: the caller
+    needs only to know it is over."""
     try:
         fw, bw = tp.stock_partition(copy.deepcopy(joint), joint_inputs, memory_budget=1.0,
                                     num_fwd_outputs=num_fwd_outputs,
