@@ -607,8 +607,7 @@ _SCATTERS = frozenset({"scatter", "scatter_add", "index_put", "_unsafe_index_put
 # `index_put(x, ...)` is `index_put_impl_(clone(x), ...)`, `_unsafe_masked_index_put_accumulate` an
 # `_unsafe_index_put`, the scatters likewise): the copy's kernel may take over x's buffer where x
 # dies there (scheduler.decide_inplace_update), as the accumulate of an embedding's gradient does.
-_WRITE_OVER_A_COPY = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put",
-                                "_unsafe_masked_index_put_accumulate", "as_strided_scatter"})
+_WRITE_OVER_A_COPY = _SCATTERS | {"scatter_reduce", "_unsafe_masked_index_put_accumulate", "as_strided_scatter"}
 _UNROLL_REDUCTIONS_THRESHOLD = 8  # torch/_inductor/config.py unroll_reductions_threshold
 # Library kernels with a lowering that still need realized inputs (tuned_addmm's mm_args).
 _EXTERN_WITH_LOWERING = frozenset({"addmm", "baddbmm", "_int_mm", "mm", "bmm", "convolution",
