@@ -9,6 +9,7 @@ from torch.utils.flop_counter import flop_registry
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.op_timing import measured_op_time_s
 from memcompile.passes.graph_facts import is_aliasing_op, is_getitem, tensor_nbytes
+from memcompile.errors import UNREADABLE_GRAPH_ERRORS
 
 
 def _meta_value(arg: object) -> object:
@@ -58,7 +59,7 @@ def node_flops(node: fx.Node) -> int:
     args, kwargs = _meta_arguments(node)
     try:
         flops = formula(*args, out_val=node.meta.get("val"), **kwargs)
-    except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: treat the op as memory-bound
+    except UNREADABLE_GRAPH_ERRORS:  # a formula that cannot read these shapes: treat the op as memory-bound
         return 0
     if isinstance(flops, torch.SymInt):
         flops = flops.node.hint or 0

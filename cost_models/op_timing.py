@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import os
 import time
 
 import torch
 
 from memcompile import _torch_private as tp
+from memcompile.errors import UNREADABLE_GRAPH_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ MAX_BYTES = 64 * 2**20
 MAX_CALL_S = 0.05
 TIME_BUDGET_S = 2.0
 MIN_REPEATS, MAX_REPEATS, REPEATS_FOR_S = 3, 30, 0.02  # ~20 ms of runs an op, 4 to 31 runs
-TIME_OPS = os.environ.get("MEMCOMPILE_TIME_OPS", "1") != "0"
 
 _measured: dict[tuple, float | None] = {}
 _spent_s = [0.0]
@@ -103,7 +102,7 @@ def measured_op_time_s(op: object, args: tuple, kwargs: dict, result: object = N
     """The fastest of a few runs of `op` on random CPU inputs like `args` and `kwargs` (a node's
     arguments, tensors as their fake values; `result` its fake result, for the bytes a run
     allocates), or None where it is not timed (see the module's docstring). Cached per distinct call."""
-    if not TIME_OPS or not hasattr(op, "_overloadpacket"):  # ATen ops only
+    if not hasattr(op, "_overloadpacket"):  # ATen ops only
         return None
     try:
         key = (str(op), _describe(args), _describe(tuple(sorted(kwargs.items()))), torch.get_num_threads())
@@ -146,7 +145,7 @@ def _time(op, args, kwargs) -> float | None:
                     start = time.perf_counter()
                     op(*real_args, **real_kwargs)
                     best = min(best, time.perf_counter() - start)
-    except Exception as error:  # noqa: BLE001 - an estimate only: the roofline stays
+    except UNREADABLE_GRAPH_ERRORS as error:  # an op that cannot run on these inputs: the roofline stays
         log.debug("memcompile: %s could not be timed (%s: %s)", op, type(error).__name__, error)
         return None
     finally:

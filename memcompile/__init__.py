@@ -15,13 +15,13 @@ from memcompile.plan_dump import dump as _dump_impl
 from memcompile.errors import (InfeasibleBudgetError, PlanningFailedError, StepOverrunError, StepOverrunWarning,
                                UnplannedFrameError, UnplannedFrameWarning)
 from memcompile.measure import PeakMeasurement, measure_peak
-from memcompile.options import Options, make_options, parse_bytes
+from memcompile.options import Experiments, Options, make_options, parse_bytes
 from memcompile.plan import Decision, Plan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "Decision", "InfeasibleBudgetError", "Options", "PeakMeasurement", "Plan",
+    "Backend", "Decision", "Experiments", "InfeasibleBudgetError", "Options", "PeakMeasurement", "Plan",
     "PlanningFailedError", "StepOverrunError", "StepOverrunWarning", "UnplannedFrameError", "UnplannedFrameWarning",
     "budget", "dump", "measure_peak", "parse_bytes",
     "BatchProbe", "MaxBatch", "max_batch",

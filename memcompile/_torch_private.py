@@ -1149,7 +1149,7 @@ def graph_input_ids(gm: fx.GraphModule) -> frozenset[int]:
         arg = node.meta.get("grapharg") if node.op == "placeholder" else None
         try:
             example = arg.example if arg is not None else None  # a weak reference Dynamo keeps
-        except Exception:  # noqa: BLE001 - erased after the compile, or not a tensor input
+        except AssertionError:  # GraphArg.example: its weak reference expired (the tensor is gone)
             example = None
         if isinstance(example, torch.Tensor):
             ids.add(id(example))

@@ -20,7 +20,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile import check_memo, logs
 from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
-from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes, profile_for
+from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes
 from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
@@ -35,7 +35,7 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
-from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, held_bytes,
+from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, cost_profile, held_bytes,
                                 plan_joint_graph, planning_environment, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
@@ -104,7 +104,7 @@ class Partitioner(tp.PartitionerBase):
             record.inputs = inputs
         if backend is not None:
             backend.plans.append(plan)
-            write_dump_dir(plan, os.environ.get("MEMCOMPILE_DUMP_DIR"))
+            write_dump_dir(plan, backend.dump_dir)
             if backend.plan_only:
                 raise PlannedOnly(plan)  # memcompile.max_batch: the plan, no code, no step
         if not plan.stock_inductor_rules:
@@ -347,7 +347,7 @@ class _Region:
         pending = self._pending_rewrites()
         if not pending or not pending[0].when_faster:
             return None
-        profile = profile_for(self.backend.options.device or step_device(example_inputs))
+        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
         return sum(x.added_time_s(profile) for x in pending[0].find(self.gm.graph))
 
     def _finish_first(self, ladder_key: str | None, outside: int) -> None:
@@ -473,7 +473,7 @@ class _Region:
         if plan is None or plan.added_time_s <= 0:
             return
         found = rewrite.find(self.gm.graph)
-        rewrite_s = sum(x.added_time_s(profile_for(device)) for x in found)
+        rewrite_s = sum(x.added_time_s(cost_profile(self.backend.options, device)) for x in found)
         if not found or plan.added_time_s <= rewrite_s:
             return
         saved = self._head_state()
@@ -574,7 +574,7 @@ class _Region:
 
     def _rewrite_time_s(self, device: str) -> float:
         """What the changes to this region's graph are estimated to add to the step by themselves."""
-        profile = profile_for(device)
+        profile = cost_profile(self.backend.options, device)
         return sum(x.added_time_s(profile) for rewrite in _REWRITES for x in getattr(self, rewrite.attr))
 
     def _compiled_key(self, options: Options, request: PlanRequest, gm: fx.GraphModule,
@@ -1012,6 +1012,8 @@ class Backend:
     def __init__(self, options: Options) -> None:
         watch_skipped_frames()
         self.options = options
+        # MEMCOMPILE_DUMP_DIR: each plan's JSON and HTML are written there (plan_dump.write_dump_dir)
+        self.dump_dir = os.environ.get("MEMCOMPILE_DUMP_DIR")
         self.plans: list[Plan] = []
         self.errors: list[Exception] = []
         self.eager_frames: list[tp.EagerFrame] = []  # frames Dynamo ran eagerly, outside every plan ("warn")

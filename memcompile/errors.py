@@ -93,3 +93,12 @@ class PlannedOnly(Exception):
     def __init__(self, plan: object) -> None:
         super().__init__(f"memcompile: planned {getattr(plan, 'graph_id', 'a graph')} only (no step run)")
         self.plan = plan
+
+
+# What reading a graph raises where memcompile, a cost formula or torch cannot handle it (an op a
+# pass or torch's partitioner does not know, an unsupported value, a schedule Inductor cannot
+# build). A caller with a conservative answer that needs no such reading catches these and logs
+# it; an AssertionError (a broken invariant: a bug, or a test's sentinel) is not among them and
+# propagates, as does anything else.
+UNREADABLE_GRAPH_ERRORS: tuple[type[Exception], ...] = (
+    ValueError, TypeError, NotImplementedError, RuntimeError, KeyError, IndexError, AttributeError)

@@ -7,7 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Sequence, cast
+from typing import Mapping, Sequence, cast
 
 from memcompile.device_budget import device_memory, input_device, parse_relative, resolve_relative
 from memcompile.optimizer_state import OptimizerReserve, optimizer_reserve
@@ -65,6 +65,40 @@ def _is_device_name(device: object) -> bool:
 
 
 @dataclass(frozen=True)
+class Experiments:
+    """Switches that turn one of memcompile's models or Inductor rules off, for comparisons in
+    benchmarks and tests: the defaults are the product. Read once, from the environment variable
+    named on each field, where the options are made (experiments_from_environment), or passed as
+    `memcompile.budget(..., experiments=Experiments(...))`; part of the options, so of every key."""
+
+    # The check predicts over the kernels Inductor's scheduler makes of the planned graphs, in its
+    # order (passes/inductor_schedule.py); off: every FX node's result a buffer, in graph order.
+    fusion_check: bool = True  # MEMCOMPILE_FUSION_CHECK
+    # The solver's model counts the values Inductor inlines when they are recomputed as no buffer
+    # (passes/recompute_fusion.py); off: each counts as one.
+    recompute_fusion: bool = True  # MEMCOMPILE_RECOMPUTE_FUSION
+    # PyTorch's own partitions are candidates beside the solver's plans (planner.StockPartitions).
+    stock_candidates: bool = True  # MEMCOMPILE_STOCK_CANDIDATES
+    # Compute-bound ops are timed on the CPU, not priced by the roofline (cost_models/op_timing.py).
+    time_ops: bool = True  # MEMCOMPILE_TIME_OPS
+    # In planned graphs Inductor does not fuse kernels where the fusion holds a large buffer
+    # longer (_torch_private: the fusion rules).
+    lifetime_fusion: bool = True  # MEMCOMPILE_LIFETIME_FUSION
+    # In planned graphs Inductor's wrapper reuses a freed buffer only for the next kernel's
+    # allocation (_torch_private: the reuse rule).
+    adjacent_reuse: bool = True  # MEMCOMPILE_ADJACENT_REUSE
+
+
+_EXPERIMENT_VARIABLES = {f.name: f"MEMCOMPILE_{f.name.upper()}" for f in fields(Experiments)}
+
+
+def experiments_from_environment(environ: Mapping[str, str]) -> Experiments:
+    """Experiments from MEMCOMPILE_<FIELD> variables: "0" turns a switch off, anything else (or
+    unset) leaves it on."""
+    return Experiments(**{name: environ.get(variable, "1") != "0" for name, variable in _EXPERIMENT_VARIABLES.items()})
+
+
+@dataclass(frozen=True)
 class Options:
     budget_bytes: int  # peak bytes of one forward+backward step (see README: budget semantics); 0: budget_spec
     reserve_bytes: int = 0  # held outside the step (e.g. optimizer state): subtracted from the budget
@@ -114,6 +148,7 @@ class Options:
     # other times (memcompile/ledger.py eager_bytes); where the larger of the two was seen.
     eager_outside_bytes: int = 0
     eager_where: str = ""
+    experiments: Experiments = Experiments()
 
     @property
     def step_budget_bytes(self) -> int:
@@ -137,7 +172,8 @@ class Options:
 def make_options(limit: object, **overrides: object) -> Options:
     """Validate `memcompile.budget(limit, **options)` arguments into Options."""
     known = {"reserve", "time_limit_s", "codegen", "device", "workers", "seed", "quantize", "offload", "host_link_gbps",
-             "chunk_loss", "chunk_mlp", "on_unplanned", "on_first_step_overrun", "optimizer", "plan_store"}
+             "chunk_loss", "chunk_mlp", "on_unplanned", "on_first_step_overrun", "optimizer", "plan_store",
+             "experiments"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"memcompile.budget() got unknown option(s) {unknown}; accepted: {sorted(known)}")
@@ -193,13 +229,20 @@ def make_options(limit: object, **overrides: object) -> Options:
                          "beside regions of its step planned before it was known stops with StepOverrunError) or "
                          "'warn' (run that step over the budget with a StepOverrunWarning)")
     plan_store_dir = _plan_store_dir(overrides.pop("plan_store", True))
+    experiments = overrides.pop("experiments", None)
+    if experiments is None:
+        experiments = experiments_from_environment(os.environ)
+    elif not isinstance(experiments, Experiments):
+        raise ValueError(f"experiments={experiments!r}: expected None (the default: read from MEMCOMPILE_* "
+                         "variables) or a memcompile.options.Experiments")
     # (each value checked above; the casts only tell the type checker so)
     return Options(budget_bytes, reserve_bytes, float(time_limit_s), codegen, cast("str | None", device),
                    cast(int, workers), cast(int, seed), quantize,
                    None if offload == "auto" else cast("bool | None", offload), None if link is None else float(link),
                    chunk_loss=chunk_loss, chunk_mlp=chunk_mlp, on_unplanned=on_unplanned,
                    on_first_step_overrun=on_overrun, budget_spec=budget_spec,
-                   optimizer_reserve_bytes=held.nbytes, optimizer_source=held.source, plan_store_dir=plan_store_dir)
+                   optimizer_reserve_bytes=held.nbytes, optimizer_source=held.source, plan_store_dir=plan_store_dir,
+                   experiments=experiments)
 
 
 def _plan_store_dir(value: object) -> str:

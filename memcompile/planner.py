@@ -14,7 +14,6 @@ import copy
 from typing import Callable
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -24,9 +23,9 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile import logs
 from memcompile.cost_models.cuda_allocator import EXACT, AllocatorRounding
-from memcompile.cost_models.device import profile_for
+from memcompile.cost_models.device import DeviceProfile, profile_for
 from memcompile.cost_models.node_cost import estimate_node_time_s
-from memcompile.errors import InfeasibleBudgetError, PlanningFailedError
+from memcompile.errors import UNREADABLE_GRAPH_ERRORS, InfeasibleBudgetError, PlanningFailedError
 from memcompile.options import Options
 from memcompile.passes.activation_analysis import (
     MUST_RECOMPUTE_REASON,
@@ -92,25 +91,29 @@ def _runs_under_inductor(options: Options) -> bool:
     return options.codegen == "inductor"
 
 
+def cost_profile(options: Options, device: str) -> DeviceProfile:
+    """The cost profile of `device` as these options price ops (the time_ops experiment off: by
+    the roofline only)."""
+    profile = profile_for(device)
+    return profile if options.experiments.time_ops else dataclasses.replace(profile, times_ops=False)
+
+
+def _checks_schedule(options: Options) -> bool:
+    """The check predicts over the kernels Inductor's scheduler makes of the planned graphs, in its
+    order (passes/inductor_schedule.py, passes/liveness.py analyze_scheduled_liveness): under
+    Inductor, unless the fusion_check experiment is off. Otherwise every FX node's result counts
+    as a buffer, in graph order (above every peak we measured, by up to 1.45x)."""
+    return _runs_under_inductor(options) and options.experiments.fusion_check
+
+
 def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = False,
                        rounding: AllocatorRounding = EXACT) -> _Attempt:
-    # `fuse`: the graphs go to Inductor, which stores only what passes/fusion.py predicts it
-    # materializes; the FX interpreter (aot_eager) stores every node's result. `rounding`: what
+    # `fuse`: the check predicts over Inductor's schedule (_checks_schedule); without, every FX
+    # node's result is stored, as the FX interpreter (aot_eager) stores it. `rounding`: what
     # each allocation holds on the step's device (Options.allocator_rounding).
     fw, bw = apply_plan(joint, analysis, solution.keep, solution.recompute, num_fwd_outputs, solution.stored)
     return _Attempt(solution, fw, bw, predicted_liveness(fw, bw, num_fwd_outputs, fuse, rounding,
                                                          analysis.boundary_bytes))
-
-
-# Under Inductor the check predicts what Inductor's wrapper holds: its kernels in its order, with
-# the buffers it allocates (passes/inductor_schedule.py, passes/liveness.py
-# analyze_scheduled_liveness). MEMCOMPILE_FUSION_CHECK=0 turns it off: every FX node's result then
-# counts as a buffer, in graph order (above every peak we measured, by up to 1.45x).
-FUSION_CHECK = os.environ.get("MEMCOMPILE_FUSION_CHECK", "1") != "0"
-# The solver's model counts values Inductor inlines when they are not saved as no buffer
-# (passes/recompute_fusion.py); MEMCOMPILE_RECOMPUTE_FUSION=0 counts each as one (the behaviour
-# before; for comparisons).
-RECOMPUTE_FUSION = os.environ.get("MEMCOMPILE_RECOMPUTE_FUSION", "1") != "0"
 
 
 def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
@@ -141,7 +144,7 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     try:
         memo = check_memo.current()
         key = None if memo is None else check_memo.graphs_key(
-            (fw, bw), tp.RECOMPUTED, (num_fwd_outputs, inductor, FUSION_CHECK, repr(rounding), tp.check_switches(),
+            (fw, bw), tp.RECOMPUTED, (num_fwd_outputs, inductor, repr(rounding), tp.check_switches(),
                                       torch.get_num_threads(), tp.inductor_config_text()))
         timeline = memo.get(key) if memo is not None else None
         if timeline is None:
@@ -157,7 +160,7 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
 
 def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool,
                         rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
-    """The liveness of the graphs as they will run. Under Inductor (when FUSION_CHECK): of copies
+    """The liveness of the graphs as they will run. With `inductor` (_checks_schedule): of copies
     after Inductor's post-grad passes (they move ops: `mm + add` becomes one addmm at the add,
     holding the mm's inputs until then), over the kernels Inductor's scheduler makes of them, in
     its order (fusing nodes far apart runs them early; a fused kernel's results coexist); if
@@ -165,11 +168,11 @@ def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
     FX node a buffer; if the post-grad passes fail, or without Inductor, the latter. Each
     allocation holds what `rounding` says its block holds (cost_models/cuda_allocator.py)."""
     unfused = analyze_liveness(fw, bw, num_fwd_outputs, rounding=rounding)
-    if not inductor or not FUSION_CHECK:
+    if not inductor:
         return unfused
     try:
         fw_seen, bw_seen = tp.inductor_post_grad_copy(fw), tp.inductor_post_grad_copy(bw)
-    except Exception as error:  # noqa: BLE001 - the prediction must not fail the compile
+    except UNREADABLE_GRAPH_ERRORS as error:  # the prediction must not fail the compile
         log.warning("memcompile: Inductor's post-grad passes failed on a copy of the graphs (%s: %s); "
                     "predicting without fusion", type(error).__name__, error)
         return unfused
@@ -187,7 +190,7 @@ def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
             schedules = tp.inductor_schedule(fw_seen, is_backward=False), tp.inductor_schedule(bw_seen, is_backward=True)
             return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names,
                                               rounding=rounding)
-        except Exception as error:  # noqa: BLE001 - the prediction must not fail the compile
+        except UNREADABLE_GRAPH_ERRORS as error:  # the prediction must not fail the compile
             log.warning("memcompile: scheduling a copy of the graphs with Inductor failed (%s: %s); "
                         "predicting in graph order", type(error).__name__, error)
     # Graph order misses what Inductor's schedule moves: the larger of both counts.
@@ -245,12 +248,12 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
 def _analyse(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices, options: Options,
              device: str) -> tuple[JointAnalysis, object]:
     """The joint graph's plain problem (and the device profile it was costed with)."""
-    profile = profile_for(device)
+    profile = cost_profile(options, device)
     store = _store_options(options, device)
-    model_fusion = _runs_under_inductor(options) and FUSION_CHECK
+    model_fusion = _checks_schedule(options)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
                                    fuse=model_fusion)
-    if model_fusion and RECOMPUTE_FUSION:
+    if model_fusion and options.experiments.recompute_fusion:
         analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
     if options.boundary_bytes:
         analysis = dataclasses.replace(analysis, boundary_bytes=options.boundary_bytes,
@@ -265,7 +268,8 @@ def _stock_candidates(options: Options, device: str) -> bool:
     # yet). With lossy formats allowed they still come first: where one fits, it loses no
     # precision and was faster than the solver's plans (Llama small at 13.53 MiB with int8
     # allowed: 1.28x the step, with nothing quantized, where the 0.4 partition ran at 1.15x).
-    return _runs_under_inductor(options) and STOCK_CANDIDATES and not _store_options(options, device).offload
+    return (_runs_under_inductor(options) and options.experiments.stock_candidates
+            and not _store_options(options, device).offload)
 
 
 def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fwd_outputs: int,
@@ -273,7 +277,7 @@ def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fw
                    plain: "_Attempt | None" = None) -> "Replanner":
     """`plain`: PyTorch's default partition if already made (its graphs are the 1.0 candidate's)."""
     problem = analysis.problem
-    fuse = _runs_under_inductor(options)
+    fuse = _checks_schedule(options)
     keep_all = close_decisions(problem, prefer_recompute=set())
     model_peak, _ = evaluate(problem, *keep_all)
     baseline = _rewrite_and_check(
@@ -295,19 +299,16 @@ def _stock_partitions(joint, joint_inputs, analysis: JointAnalysis, profile, num
     stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
                             {n.name for n in analysis.forward_nodes}, options.allocator_rounding,
                             _headroom_bytes(options.step_budget_bytes, joint_inputs),
-                            boundary_bytes=options.boundary_bytes)
+                            boundary_bytes=options.boundary_bytes, over_schedule=_checks_schedule(options))
     if plain is not None:
         stock.seed(1.0, plain.forward, plain.backward)
     return stock
 
 
 def experiment_switches() -> tuple[tuple[str, object], ...]:
-    """The A/B switches read from the environment at import (MEMCOMPILE_*), and the check's mode:
-    what a stored plan's key holds beside the options (they change what the check predicts)."""
-    from memcompile.cost_models import op_timing
-
-    return (("FUSION_CHECK", FUSION_CHECK), ("RECOMPUTE_FUSION", RECOMPUTE_FUSION),
-            ("STOCK_CANDIDATES", STOCK_CANDIDATES), ("TIME_OPS", op_timing.TIME_OPS)) + tp.check_switches()
+    """The Inductor rules' switches: what a stored plan's key holds beside the options (they
+    change what the check predicts; the other experiments are part of the options)."""
+    return tp.check_switches()
 
 
 def planning_environment(device: str) -> str:
@@ -425,7 +426,7 @@ def _search(
     device: str,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     check_s = _CHECK_S.get() or [0.0]
-    profile = profile_for(device)
+    profile = cost_profile(options, device)
     analysed: list[JointAnalysis] = []
 
     def analysis_now() -> JointAnalysis:
@@ -464,7 +465,8 @@ def _search(
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                           options.allocator_rounding, options.boundary_bytes,
                                           budget if request.defer_check else None,
-                                          unchecked_if_over=rewrite_is_cheap and request.defer_check)
+                                          unchecked_if_over=rewrite_is_cheap and request.defer_check,
+                                          over_schedule=_checks_schedule(options))
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
@@ -507,7 +509,8 @@ def _search(
                                    static_lifetime_input_indices, options, device).at(STOCK_FRACTIONS[-1])
         if chosen is None:
             chosen = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
-                                               options.allocator_rounding, options.boundary_bytes)
+                                               options.allocator_rounding, options.boundary_bytes,
+                                               over_schedule=_checks_schedule(options))
             made_plain.extend([chosen] if chosen is not None else [])
         if chosen is not None and chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis_now())
@@ -531,7 +534,7 @@ def _search(
         # results' decisive_bert_small_asfast). Where it fits under Inductor's own rules,
         # it runs under them.
         with tp.stock_inductor_rules():
-            as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, True,
+            as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, _checks_schedule(options),
                                           options.allocator_rounding, options.boundary_bytes)
         if as_stock.peak_bytes <= budget:
             chosen, stock_rules = dataclasses.replace(chosen, timeline=as_stock), True
@@ -584,7 +587,7 @@ def _search(
 # that. Below the smallest of these peaks the solver plans as before. The partitions are options
 # of the Replanner like the solver's plans, so re-plans (dynamic sizes, the step ledger) and the
 # step plan of several regions choose among them too, each checked at the sizes planned for.
-# MEMCOMPILE_STOCK_CANDIDATES=0 turns this off.
+# The stock_candidates experiment (Options.experiments) turns this off.
 STOCK_FRACTIONS = (1.0, 0.8, 0.6, 0.4)
 # A fitting partition is not always cheap: BERT small at 12.08 MiB (in a run of
 # `python benchmarks/pareto.py --models bert --size small --threads 1`) took the
@@ -595,7 +598,6 @@ STOCK_FRACTIONS = (1.0, 0.8, 0.6, 0.4)
 # times cheaper: our plans measured 1.6-5x their estimates there, PyTorch's 2x.
 STOCK_SOLVE_ABOVE = 0.02
 STOCK_MARGIN = 4.0
-STOCK_CANDIDATES = os.environ.get("MEMCOMPILE_STOCK_CANDIDATES", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -649,6 +651,7 @@ class StockPartitions:
     rounding: AllocatorRounding = EXACT  # what each allocation holds on the step's device
     headroom_bytes: int | None = None  # what the step budget leaves beside the graph's inputs now
     boundary_bytes: int = 0  # held by eager code as the backward starts (Options.boundary_bytes)
+    over_schedule: bool = True  # checked over Inductor's schedule (_checks_schedule)
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
     _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
@@ -694,7 +697,7 @@ class StockPartitions:
             fw, bw = tp.stock_partition(copy.deepcopy(self.joint), self.joint_inputs, memory_budget=fraction,
                                         num_fwd_outputs=self.num_fwd_outputs,
                                         static_lifetime_input_indices=self.static_lifetime_input_indices)
-        except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
+        except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be made (%s: %s)", fraction,
                       type(error).__name__, error)
             return None
@@ -720,8 +723,9 @@ class StockPartitions:
             return None
         fw, bw, recomputed_s = made
         try:
-            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, True, self.rounding, self.boundary_bytes)
-        except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
+            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, self.over_schedule, self.rounding,
+                                          self.boundary_bytes)
+        except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
                      type(error).__name__, error)
             return None
@@ -924,7 +928,8 @@ _DEFER_MARGIN = 0.02  # room a plan is deferred with where its graph-order estim
 
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                               rounding: AllocatorRounding, boundary_bytes: int = 0,
-                              screen_budget: int | None = None, unchecked_if_over: bool = False) -> "_Attempt | None":
+                              screen_budget: int | None = None, unchecked_if_over: bool = False,
+                              over_schedule: bool = True) -> "_Attempt | None":
     """PyTorch's default partition (activation_memory_budget=1.0), checked as plain Inductor
     compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked.
     With `screen_budget`: where the graphs peak within it in graph order with every value a
@@ -954,8 +959,8 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
             if unchecked_if_over and counts[0].peak_bytes > screen_budget:
                 return _Attempt(solution, fw, bw, counts[0], checked=False)
         with tp.stock_inductor_rules():
-            timeline = predicted_liveness(fw, bw, num_fwd_outputs, True, rounding, boundary_bytes)
-    except Exception as error:  # noqa: BLE001 - a candidate only: plan as before
+            timeline = predicted_liveness(fw, bw, num_fwd_outputs, over_schedule, rounding, boundary_bytes)
+    except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
         log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
         return None
     return _Attempt(solution, fw, bw, timeline)
@@ -1047,7 +1052,7 @@ class Replanner:
             if solution.status == "infeasible":
                 break
             attempt = _rewrite_and_check(self.joint, self.analysis, solution, self.num_fwd_outputs,
-                                         _runs_under_inductor(self.options), self.options.allocator_rounding)
+                                         _checks_schedule(self.options), self.options.allocator_rounding)
             checked = attempt.timeline.peak_bytes
             log.debug("target %d: model peak %d, graph peak %d (%s)", target, solution.model_peak_bytes,
                       checked, solution.status)
@@ -1100,7 +1105,7 @@ class Replanner:
                 peak_bytes, added = evaluate(problem, *decisions)
                 other = _rewrite_and_check(self.joint, self.analysis,
                                            ActivationSolution(*decisions, peak_bytes, added, "feasible", 0.0, 0.0),
-                                           self.num_fwd_outputs, _runs_under_inductor(self.options),
+                                           self.num_fwd_outputs, _checks_schedule(self.options),
                                            self.options.allocator_rounding)
                 log.debug("repair: recompute %s: graph peak %d", problem.names[i], other.timeline.peak_bytes)
                 if other.timeline.peak_bytes <= budget:
@@ -1122,7 +1127,7 @@ class Replanner:
         if isinstance(decisions, StockSolution):
             return self.stock.at(decisions.fraction) if self.stock is not None else None
         return _rewrite_and_check(self.joint, self.analysis, decisions, self.num_fwd_outputs,
-                                  _runs_under_inductor(self.options), self.options.allocator_rounding)
+                                  _checks_schedule(self.options), self.options.allocator_rounding)
 
     def least_peak_and_solve_s(self) -> tuple[_Attempt, float]:
         """The least-peak plan (deterministic, so made once: an infeasible first compile and the
@@ -1168,13 +1173,19 @@ class Replanner:
                                            and o[:3] != r[:3] for o in rows)]
 
 
+# What OR-Tools raises where it cannot take or solve a model: OverflowError for a coefficient past
+# int64, ValueError / RuntimeError from its checks and its C++ core, MemoryError.
+_SOLVER_FAILURES = (OverflowError, ValueError, RuntimeError, MemoryError)
+
+
 def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options) -> ActivationSolution:
-    """The solver's plan; if the solver itself fails (a bug, an OR-Tools error), the greedy plan,
-    with a warning: a crash here would kill the user's run."""
+    """The solver's plan; if OR-Tools fails on the model (coefficients past int64, its own error,
+    out of memory), the greedy plan, with a warning: a crash there would kill the user's run. An
+    error of ours in building the model (a bug) propagates."""
     try:
         return solve_cached(solve_activation_plan, problem, target, time_limit_s=time_limit_s,
                             workers=options.workers, seed=options.seed)
-    except Exception as error:  # noqa: BLE001 - any solver failure must degrade, not abort
+    except _SOLVER_FAILURES as error:
         log.warning("memcompile: the solver failed (%s: %s); using the greedy plan", type(error).__name__, error)
         plan = greedy_plan(problem, target)
         peak, added = evaluate(problem, *plan)
@@ -1194,7 +1205,7 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
     problem = analysis.problem
     least = solve_cached(solve_min_peak, problem, time_limit_s=options.time_limit_s,
                          workers=options.workers, seed=options.seed)
-    fuse, rounding = _runs_under_inductor(options), options.allocator_rounding
+    fuse, rounding = _checks_schedule(options), options.allocator_rounding
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse, rounding)
     # Other starts are checked only where the model, matched to the min-peak plan's check, does
     # not put them at or above that peak (as the descent screens its moves): each check is a
@@ -1347,8 +1358,7 @@ def _annotation_note(attempt: _Attempt, analysis: JointAnalysis) -> str:
 # What planning a graph it cannot read raises (an op a pass or torch's partitioner does not
 # handle, an unsupported value, a schedule it cannot build): PyTorch's partition runs instead,
 # with a warning. An AssertionError (a broken invariant: a bug) is not among them and propagates.
-_PLANNING_FAILURES = (ValueError, TypeError, NotImplementedError, RuntimeError, KeyError, IndexError,
-                      AttributeError)
+_PLANNING_FAILURES = UNREADABLE_GRAPH_ERRORS
 
 
 def plan_joint_graph(
@@ -1392,11 +1402,11 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
     fw, bw = tp.stock_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=static_lifetime_input_indices)
     try:
-        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _runs_under_inductor(options), options.allocator_rounding,
+        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _checks_schedule(options), options.allocator_rounding,
                                       options.boundary_bytes)
         peak, steps = timeline.peak_bytes, tuple(s.live_bytes for s in timeline.steps)
         phase, node, breakdown = timeline.peak_step.phase, timeline.peak_step.node, timeline.peak_breakdown
-    except Exception:  # noqa: BLE001 - the prediction is informative only here
+    except UNREADABLE_GRAPH_ERRORS:  # the prediction is informative only here
         peak, steps, phase, node, breakdown = 0, (), "", "", ()
     plan = Plan(
         graph_id=graph_id, budget_bytes=options.budget_bytes, reserve_bytes=options.reserve_bytes,

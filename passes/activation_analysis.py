@@ -33,6 +33,7 @@ from memcompile.passes.graph_facts import (
 from memcompile.passes.liveness import op_scratch_bytes
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for
 from memcompile.solver.activations import ActivationProblem, StoreChoice
+from memcompile.errors import UNREADABLE_GRAPH_ERRORS
 
 _DEFAULT_STORE = StoreOptions()  # the defaults: what analyze_joint_graph offers unless told
 
@@ -117,7 +118,7 @@ def _recompute_cost_s(unit: fx.Node, profile: DeviceProfile) -> float | None:
     """Roofline time of one run of `unit`; None when the cost model cannot read the node."""
     try:
         return float(estimate_node_time_s(unit, profile))
-    except Exception:  # noqa: BLE001 - an op the cost model does not know must not fail the compile
+    except UNREADABLE_GRAPH_ERRORS:  # an op the cost model does not know must not fail the compile
         return None
 
 

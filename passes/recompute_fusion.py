@@ -30,6 +30,7 @@ from memcompile.passes.fusion import FusionRules, predict_fusion
 from memcompile.passes.graph_facts import fusion_facts, graph_device_type
 from memcompile.passes.partition import apply_plan
 from memcompile.solver.activations import close_decisions
+from memcompile.errors import UNREADABLE_GRAPH_ERRORS
 
 log = logging.getLogger("memcompile")
 
@@ -54,7 +55,7 @@ def predict_recompute_fates(joint: fx.GraphModule, analysis: JointAnalysis, num_
         forward, backward = apply_plan(joint, analysis, keep, recompute, num_fwd_outputs, stored)
         in_forward = predict_fusion(fusion_facts(forward), rules).inlined
         in_backward = predict_fusion(fusion_facts(backward), rules).inlined
-    except Exception as error:  # noqa: BLE001 - a missed refinement must not fail the compile
+    except UNREADABLE_GRAPH_ERRORS as error:  # a missed refinement must not fail the compile
         log.warning("memcompile: predicting fusion of recomputed values failed (%s: %s); counting each "
                     "recomputed value as a buffer", type(error).__name__, error)
         return None

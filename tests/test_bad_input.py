@@ -159,7 +159,7 @@ def _check(step_result, expected, budget):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("fault", [TimeoutError("solver timed out"), MemoryError("solver out of memory"),
+@pytest.mark.parametrize("fault", [OverflowError("coefficient past int64"), MemoryError("solver out of memory"),
                                    RuntimeError("OR-Tools crashed")])
 def test_solver_exceptions_fall_back_to_the_greedy_plan(attention_case, monkeypatch, caplog, fault):
     from memcompile import planner
@@ -174,6 +174,25 @@ def test_solver_exceptions_fall_back_to_the_greedy_plan(attention_case, monkeypa
     _check(result, expected, budget)
     assert result.plan.solver_status in ("fallback", "least_peak_optimal", "least_peak_feasible", "least_peak_fallback")
     assert "solver failed" in caplog.text
+
+
+def test_a_bug_in_planning_is_not_hidden_by_a_fallback(attention_case, monkeypatch):
+    """A broken invariant (an AssertionError: a bug) reaches the user, not a fallback plan that
+    would hide it; only what OR-Tools raises on a model it cannot take falls back."""
+    from memcompile import planner
+
+    def broken(*_args, **_kwargs):
+        raise AssertionError("sentinel: a bug in building the model")
+
+    step, x, params, _expected, budget = attention_case
+    monkeypatch.setattr(planner, "solve_activation_plan", broken)
+    with pytest.raises(Exception) as info:
+        run_step(step, x, params, budget)
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(isinstance(e, AssertionError) and "sentinel" in str(e) for e in chain), chain
 
 
 def test_solver_that_runs_out_of_time_still_gives_a_plan(attention_case, monkeypatch):

@@ -13,10 +13,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import memcompile
 from memcompile import _torch_private as tp
 from memcompile.cost_models import device as device_module
-from memcompile.cost_models import op_timing
 from memcompile.cost_models.device import (DATASHEET_PROFILES, DeviceProfile, blas_workspace_bytes,
                                            blas_workspace_bytes_for, compile_scratch_bytes)
 from memcompile.cost_models.node_cost import estimate_node_time_s, node_bytes_moved
+from memcompile.options import Experiments
 
 
 def _mm_node(dtype: torch.dtype, n: int):
@@ -279,12 +279,11 @@ def test_what_a_compile_during_the_step_holds_fits_its_reserve(codegen, monkeypa
     generator state that Dynamo, AOTAutograd, Inductor and memcompile keep meanwhile are counted
     (compile_scratch_bytes) where other regions hold memory. Op timing is off here: it is bounded
     by the headroom apart."""
-    monkeypatch.setattr(op_timing, "TIME_OPS", False)
     torch.compiler.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     x = torch.randn(8, 16)
-    backend = memcompile.budget("1GB", codegen=codegen)
+    backend = memcompile.budget("1GB", codegen=codegen, experiments=Experiments(time_ops=False))
     compiled = torch.compile(model, backend=backend)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         compiled(x).sum().backward()

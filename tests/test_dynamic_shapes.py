@@ -121,9 +121,6 @@ def test_inductor_replans_pytorchs_partitions_at_the_larger_size(monkeypatch):
     """Under Inductor, PyTorch's partitions are candidate plans (planner.StockPartitions); a
     re-plan for a larger size checks them at that size, so the step measured at it stays under
     the budget (with the partition checked only at the traced size it would not)."""
-    from memcompile import planner
-
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
     torch.compiler.reset()
     model, _ = build("attention", 16, 2, 2)
     probe = memcompile.budget(10**12, time_limit_s=2)

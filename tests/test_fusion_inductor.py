@@ -95,7 +95,6 @@ def _measured_step(module, x, limit, **options):
 
 @pytest.mark.parametrize("arch, size, depth, batch", [("attention", 32, 2, 16), ("convbn", 16, 2, 8)])
 def test_fusion_aware_prediction_bounds_measured_peaks_under_budgets(arch, size, depth, batch, monkeypatch):
-    monkeypatch.setattr(planner, "FUSION_CHECK", True)  # the default (MEMCOMPILE_FUSION_CHECK=0 turns it off)
     model, x = build(arch, size, depth, batch)
     module = WithLoss(model)
     free_plan, free_peak = _measured_step(module, x, 10**12)
@@ -135,7 +134,6 @@ def test_schedule_aware_check_bounds_a_plan_graph_order_under_predicts(monkeypat
     """The Llama under-prediction (issue 6): in graph order each stored result of the fused MLP
     backward may reuse the memory of the one before, and saved tensors renamed by the post-grad
     passes (`mm + x` -> addmm) were dropped from the backward; Inductor's schedule has neither."""
-    monkeypatch.setattr(planner, "FUSION_CHECK", True)
     torch.manual_seed(0)
     module, x = _SwiGLUStack(64, 172, 2), torch.randn(256, 64, requires_grad=True)
     # the MLPs as written (chunk_mlp=False): their fused backward is the case pinned here

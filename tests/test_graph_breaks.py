@@ -323,11 +323,9 @@ def test_inductor_regions_replan_inside_calls(monkeypatch):
     graph in: also with Inductor. (Re-plans for larger dynamic sizes take the same path; tested
     with aot_eager in test_dynamic_shapes.) Checked with every node a buffer: over Inductor's
     schedule this small region's least-peak plan is its keep-all plan, leaving nothing to re-plan."""
-    from memcompile import planner
-
-    monkeypatch.setattr(planner, "FUSION_CHECK", False)
     model, x = _build("dense", 2, 32, 64, "tanh", frozenset({0}), torch.float32)
-    backend = memcompile.budget(10**9, codegen="inductor", time_limit_s=2)
+    backend = memcompile.budget(10**9, codegen="inductor", time_limit_s=2,
+                                experiments=memcompile.Experiments(fusion_check=False))
     compiled = torch.compile(model, backend=backend)
     for batch in (64, 64, 64):
         torch.manual_seed(batch)
@@ -352,9 +350,6 @@ def test_the_step_plan_keeps_pytorchs_partitions_where_they_fit(monkeypatch):
     """Under Inductor PyTorch's partitions are options of every region (planner.StockPartitions):
     the plan for the whole step keeps a region that runs one (no re-plan into keep-all, which
     was slower) and the step, measured, stays under the budget its ledger sums to."""
-    from memcompile import planner
-
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
     model, x = _build("dense", 3, 32, 64, "gelu", frozenset({0, 1}), torch.float32)
     high = _unconstrained_step_peak(model, x, 3, codegen="inductor")
     torch.compiler.reset()

@@ -90,7 +90,6 @@ def test_a_stock_partition_that_fits_the_budget_is_used_before_solving(monkeypat
     budget and its prediction, gradients as eager. Turned off, the solver plans instead."""
     from memcompile import planner
 
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)  # the default, unless MEMCOMPILE_STOCK_CANDIDATES=0
     model, x = build("attention", 32, 2, 16)
     expected = _eager_grads(model, x)
     free_plan, _, _ = _run(model, x, "100GB")
@@ -108,7 +107,7 @@ def test_a_stock_partition_that_fits_the_budget_is_used_before_solving(monkeypat
     assert peak <= plan.predicted_peak_bytes <= budget
     for a, b in zip(expected, grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", False)
+    monkeypatch.setenv("MEMCOMPILE_STOCK_CANDIDATES", "0")  # read where the backend is made
     plan, peak, grads = _run(model, x, budget)
     assert not plan.solver_status.startswith("stock_partition")
     assert peak <= plan.predicted_peak_bytes <= budget
@@ -119,9 +118,6 @@ def test_at_plain_inductors_measured_peak_its_own_partition_is_the_plan(monkeypa
     """A user who measured plain Inductor's peak and gives exactly that as the budget gets plain
     Inductor's partition back, not a slower plan: the check predicts it to the byte where its
     peak is at a generated kernel or a matrix multiply (no per-op margin there)."""
-    from memcompile import planner
-
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
     model, x = build(arch, size, depth, batch)
     compiled = torch.compile(WithLoss(model))
     compiled(x).backward()
@@ -141,9 +137,6 @@ def test_with_int8_allowed_a_fitting_partition_still_comes_first(monkeypatch):
     """Lossy formats are opt-in memory savings: where PyTorch's partition fits the budget, it runs
     (no precision lost, and faster than the solver's plans on the models measured); offload
     allowed (CUDA's default), the solver plans, as copies overlapped with compute may cost less."""
-    from memcompile import planner
-
-    monkeypatch.setattr(planner, "STOCK_CANDIDATES", True)
     model, x = build("attention", 32, 2, 16)
     free_plan, _, _ = _run(model, x, "100GB")
     budget = free_plan.predicted_peak_before_bytes - 1

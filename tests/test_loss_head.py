@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 import memcompile
 from memcompile import loss_ops
-from memcompile.cost_models import op_timing
 from memcompile.cost_models import device as device_module
 from memcompile.cost_models.device import DeviceProfile, profile_for
 from memcompile.passes.loss_head import chunk_loss_heads, chunked_heads_forward, find_loss_heads
@@ -464,8 +463,7 @@ def _head_bound_lm() -> tuple[TinyLM, torch.Tensor]:
 def _fixed_cpu_profile(monkeypatch) -> None:
     """Ops costed by a fixed CPU profile, not timed or measured: a loaded machine's numbers would
     move choices these tests pin down by their rule, not the clock."""
-    monkeypatch.setattr(op_timing, "TIME_OPS", False)
-    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=True)
+    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=False)
     monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
 
 

@@ -27,7 +27,6 @@ def _fake_clock(patch: pytest.MonkeyPatch) -> tuple[list, list]:
     calls, made, now = [], [], itertools.count()
     patch.setattr(op_timing, "_measured", {})
     patch.setattr(op_timing, "_spent_s", [0.0])
-    patch.setattr(op_timing, "TIME_OPS", True)
     patch.setattr(op_timing.time, "perf_counter", lambda: next(now) * TICK_S / 2)
     time_op, real = op_timing._time, op_timing._real
     patch.setattr(op_timing, "_time", lambda op, args, kwargs: calls.append((op, args, kwargs)) or time_op(op, args, kwargs))
@@ -121,7 +120,6 @@ def test_cpu_attention_is_timed_by_running_it():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(op_timing, "_measured", {})
         patch.setattr(op_timing, "_spent_s", [0.0])
-        patch.setattr(op_timing, "TIME_OPS", True)
         timed = estimate_node_time_s(attention, TIMED)
         assert timed > 0 and timed != estimate_node_time_s(attention, ROOFLINE)
         assert len(op_timing._measured) == 1 and list(op_timing._measured.values()) == [timed]

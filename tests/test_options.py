@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import memcompile
-from memcompile.options import parse_bytes
+from memcompile.options import make_options, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -73,3 +73,19 @@ def test_offload_is_offered_where_the_device_has_its_own_memory_unless_told(give
 def test_offload_rejects_other_values_naming_the_option(bad):
     with pytest.raises(ValueError, match="offload="):
         memcompile.budget("1GB", offload=bad)
+
+
+def test_experiments_are_read_from_the_environment_once_where_the_options_are_made(monkeypatch):
+    from memcompile.options import Experiments
+
+    monkeypatch.setenv("MEMCOMPILE_FUSION_CHECK", "0")
+    monkeypatch.setenv("MEMCOMPILE_TIME_OPS", "1")
+    options = make_options("1GB")
+    assert options.experiments == Experiments(fusion_check=False)
+    monkeypatch.setenv("MEMCOMPILE_STOCK_CANDIDATES", "0")  # after: these options do not change
+    assert options.experiments.stock_candidates
+    assert "fusion_check=False" in options.describe()  # so in every key made from the options
+    given = Experiments(adjacent_reuse=False)
+    assert make_options("1GB", experiments=given).experiments is given  # the environment is not read then
+    with pytest.raises(ValueError, match="experiments="):
+        make_options("1GB", experiments={"fusion_check": False})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from hypothesis import given, settings
@@ -70,6 +71,7 @@ def test_a_sum_the_scatter_does_not_feed_alone_is_left_alone() -> None:
     assert [n.target for n in accumulate_tied_embedding_gradients(gm).graph.nodes] == before
 
 
+@pytest.mark.inductor
 def test_a_tied_gpt_style_models_floor_holds_one_vocabulary_sized_gradient() -> None:
     """GPT style, tied embeddings, under Inductor: at the floor the step holds its parameters,
     their gradients and the returned logits, and little else; the floor is measured, the
