@@ -6,7 +6,7 @@
 
 gemm: float16/bfloat16 mm/addmm/bmm over a grid of skinny shapes (m 1-32, k 1-8192, n 1-64) and
 random draws (each side a few rows or up to 300, k up to 2000): scratch = the allocator's rise
-during the call less the result, against graph_facts.kernel_workspace_bytes. attention: float32
+during the call less the result, against transient_memory.kernel_workspace_bytes. attention: float32
 CPU flash attention forward and backward over random shapes, masks and grad_out layouts: the
 distribution of counted - measured. conv: float32 oneDNN convolution forward and backward over
 random channels (3-64), batches, sizes, kernels 1/3, strides 1/2, 1-2 threads (drawn), gradient
@@ -36,7 +36,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.passes.graph_facts import kernel_workspace_bytes, onednn_channel_block
+from memcompile.cost_models.conv_workspace import onednn_channel_block
+from memcompile.cost_models.transient_memory import kernel_workspace_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GEMMS = {"mm": (lambda a, b, c: torch.mm(a, b), False), "addmm": (lambda a, b, c: torch.addmm(c, a, b), False),

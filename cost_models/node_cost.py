@@ -8,8 +8,8 @@ from torch.utils.flop_counter import flop_registry
 
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.op_timing import measured_op_time_s
-from memcompile.passes.graph_facts import is_aliasing_op, is_getitem, tensor_nbytes
 from memcompile.errors import UNREADABLE_GRAPH_ERRORS
+from memcompile.node_facts import is_aliasing_op, is_getitem, tensor_nbytes
 
 
 def _meta_value(arg: object) -> object:

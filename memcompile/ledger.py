@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 import torch.fx as fx
 
 from memcompile import _torch_private as tp
-from memcompile.passes.graph_facts import tensor_nbytes
+from memcompile.node_facts import tensor_nbytes
 from memcompile.plan import Plan
 
 # Choices whose bytes leave the device until the backward; any other choice (keep, and ones

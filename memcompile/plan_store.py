@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from memcompile.cost_models.cpu_workspace import onednn_max_cpu_isa_settings
 from memcompile.plan import Plan
 
 log = logging.getLogger("memcompile")
@@ -132,7 +133,7 @@ def outcome_key(joint: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_
 def machine_text(device: str) -> str:
     """What of the machine the check reads: the CPU's ISA and threads, the accelerator."""
     parts = [platform.machine(), torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
-             os.environ.get("ONEDNN_MAX_CPU_ISA", "") + os.environ.get("DNNL_MAX_CPU_ISA", "")]
+             "".join(onednn_max_cpu_isa_settings())]
     if device.startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index or 0
         parts += [torch.cuda.get_device_name(index), str(torch.cuda.get_device_capability(index)), str(torch.version.cuda)]

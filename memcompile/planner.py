@@ -34,7 +34,8 @@ from memcompile.passes.activation_analysis import (
     analyze_joint_graph,
 )
 from memcompile.passes.calibration import calibrated, step_corrections
-from memcompile.passes.graph_facts import is_aliasing_op, is_random_op, step_device, tensor_nbytes
+from memcompile.node_facts import is_aliasing_op, tensor_nbytes
+from memcompile.passes.graph_facts import is_random_op, step_device
 from memcompile.passes.tied_gradients import accumulate_tied_embedding_gradients
 from memcompile.passes.liveness import (LivenessTimeline, analyze_liveness, analyze_scheduled_liveness,
                                         with_held_at_backward_start)

@@ -3,7 +3,7 @@
 A graph compiled with dynamic shapes has symbolic sizes (`s0`); by default a plan is made for the
 size each symbol had when it was traced (its hint). The backend re-plans a graph for larger
 sizes by setting `planning_sizes({s0: 512})` around the compile: every byte count the planner
-makes (`graph_facts.tensor_nbytes`) then substitutes those values.
+makes (`node_facts.tensor_nbytes`) then substitutes those values.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.cost_models.node_cost import estimate_node_time_s
+from memcompile.cost_models.transient_memory import transient_bytes
+from memcompile.node_facts import is_aliasing_op, is_getitem, tensor_nbytes
 from memcompile.passes.fusion import FusionRules, predict_fusion
 from memcompile.passes.graph_facts import (
     checkpoint_policy,
@@ -23,12 +25,8 @@ from memcompile.passes.graph_facts import (
     fusion_facts,
     graph_device_type,
     is_builtin_op,
-    transient_bytes,
-    is_aliasing_op,
-    is_getitem,
     is_mutating_op,
     is_random_op,
-    tensor_nbytes,
 )
 from memcompile.passes.liveness import op_scratch_bytes
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for

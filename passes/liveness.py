@@ -21,21 +21,20 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile.cost_models.cuda_allocator import EXACT, AllocatorRounding
+from memcompile.cost_models.transient_memory import (
+    counted_exactly,
+    kernel_workspace_bytes,
+    promotion_copy_bytes,
+    transient_bytes,
+)
+from memcompile.node_facts import is_aliasing_op, is_getitem, is_pointwise, tensor_nbytes
 from memcompile.passes.fusion import FusionPrediction, FusionRules, predict_fusion
 from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledKernel
 from memcompile.passes.graph_facts import (
     effective_reads,
     fusion_facts,
     graph_device_type,
-    kernel_workspace_bytes,
-    counted_exactly,
-    promotion_copy_bytes,
     wrapper_allocates,
-    transient_bytes,
-    is_aliasing_op,
-    is_getitem,
-    is_pointwise,
-    tensor_nbytes,
     writes_over_a_copy_of_its_first_input,
 )
 from memcompile.passes.stored_forms import HOST_PREFIX

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import is_aliasing_op, is_getitem, is_pointwise
+from memcompile.node_facts import is_aliasing_op, is_getitem, is_pointwise
 from memcompile.solver.activations import StoreChoice
 from memcompile.transfer_ops import COPY_TO_DEVICE, COPY_TO_HOST, WAIT_COPY
 

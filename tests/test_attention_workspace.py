@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.passes.graph_facts import attention_backward_onednn_scratch, kernel_workspace_bytes
+from memcompile.cost_models.attention_workspace import attention_backward_onednn_scratch
+from memcompile.cost_models.transient_memory import kernel_workspace_bytes
 from budget_helpers import with_threads
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.passes.graph_facts import kernel_workspace_bytes
+from memcompile.cost_models.transient_memory import kernel_workspace_bytes
 from budget_helpers import with_threads
 
 FORWARD = torch.ops.aten.convolution.default
@@ -106,7 +106,7 @@ _AVX2_WORKER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from memcompile.passes.graph_facts import onednn_channel_block
+from memcompile.cost_models.conv_workspace import onednn_channel_block
 from test_conv_workspace import check_case
 assert onednn_channel_block() == 8, onednn_channel_block()
 for case in json.loads(sys.argv[2]):

@@ -229,7 +229,7 @@ def test_eager_embedding_backward_scratch_is_counted():
     """The embedding backward's decomposition run eagerly (codegen="aot_eager") copies its values,
     indices and mask before accumulating: uncounted, GPT-2 tiny measured 12.5 KiB over its floor
     there. Inductor lowers it to a scatter that allocates nothing beside its result."""
-    from memcompile.passes.graph_facts import kernel_workspace_bytes
+    from memcompile.cost_models.transient_memory import kernel_workspace_bytes
 
     op = torch.ops.aten._unsafe_masked_index_put_accumulate.default
     grad, values = torch.zeros(32, 64), torch.randn(2, 32, 64)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-from memcompile.passes.graph_facts import kernel_workspace_bytes
+from memcompile.cost_models.transient_memory import kernel_workspace_bytes
 
 OPS = {
     "mm": (lambda a, b, c: torch.mm(a, b), False),
