@@ -23,8 +23,9 @@ from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes
 from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
-from memcompile.passes.loss_head import LossHead, chunk_loss_heads, find_loss_heads, with_logits_gradients
-from memcompile.passes.mlp_chunk import MlpBlock, chunk_mlps, find_mlps
+from memcompile.passes.chunking import ChunkPattern, apply_chunking, find_matches
+from memcompile.passes.loss_head import LOSS_HEAD, LossHead, with_logits_gradients
+from memcompile.passes.mlp_chunk import MLP, MlpBlock
 from memcompile import plan_store
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import (InfeasibleBudgetError, PlannedOnly, PlanningFailedError, StepOverrunError,
@@ -203,7 +204,7 @@ class _Region:
         self.searched_least_peak = True
         for rewrite in _REWRITES:
             if getattr(backend.options, rewrite.option) is True:
-                gm, found = rewrite.apply(gm)
+                gm, found = apply_chunking(gm, rewrite.pattern)
                 setattr(self, rewrite.attr, found)
         self.gm = gm
         self.pristine_graph = copy.deepcopy(gm.graph)
@@ -348,7 +349,7 @@ class _Region:
         if not pending or not pending[0].when_faster:
             return None
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
-        return sum(x.added_time_s(profile) for x in pending[0].find(self.gm.graph))
+        return sum(x.added_time_s(profile) for x in find_matches(self.gm.graph, pending[0].pattern))
 
     def _finish_first(self, ladder_key: str | None, outside: int) -> None:
         if ladder_key is not None:
@@ -373,7 +374,7 @@ class _Region:
     def _pending_rewrites(self) -> list["_Rewrite"]:
         """The "auto" rewrites not applied yet that would change this region's graph."""
         return [r for r in _REWRITES if getattr(self.backend.options, r.option) == "auto" and not getattr(self, r.attr)
-                and r.find(self.gm.graph)]
+                and find_matches(self.gm.graph, r.pattern)]
 
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
                         whole_error: InfeasibleBudgetError | None, coarse: bool = True,
@@ -472,7 +473,7 @@ class _Region:
         plan = current.plan if current is not None else None
         if plan is None or plan.added_time_s <= 0:
             return
-        found = rewrite.find(self.gm.graph)
+        found = find_matches(self.gm.graph, rewrite.pattern)
         rewrite_s = sum(x.added_time_s(cost_profile(self.backend.options, device)) for x in found)
         if not found or plan.added_time_s <= rewrite_s:
             return
@@ -511,10 +512,10 @@ class _Region:
         self.backend.plans[:] = [p for p in self.backend.plans if p is not plan]
 
     def _apply(self, rewrite: "_Rewrite", max_chunks: int | None = None) -> bool:
-        """Apply a rewrite (passes/loss_head.py, passes/mlp_chunk.py) for every later compile,
+        """Apply a rewrite (passes/chunking.py) for every later compile,
         into at most `max_chunks` chunks where given; False if it finds nothing to rewrite."""
         graph = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
-        gm, found = rewrite.apply(graph) if max_chunks is None else rewrite.apply(graph, max_chunks)
+        gm, found = apply_chunking(graph, rewrite.pattern, max_chunks)
         if not found:
             return False
         self.gm = gm
@@ -908,20 +909,19 @@ class _Rewrite:
     what: str  # for messages
     option: str  # the Options field
     attr: str  # the _Region attribute holding what it rewrote (each with describe() and added_time_s())
-    find: Callable[[fx.Graph], tuple]
-    apply: Callable[[fx.GraphModule], tuple[fx.GraphModule, tuple]]
+    pattern: ChunkPattern  # what it matches and how it rewrites a match (passes/chunking.py)
     # Also tried where a plan fits without it, if estimated faster. Not for MLPs: their chunked
     # backward recomputes the up / gate projections, measured 1.25 ms a layer on Llama small
     # (benchmarks/mlp_chunk_cost.py) where estimated 0.6: applied only where no plan fits without it.
     when_faster: bool = True
-    # Chunk limits tried first, coarsest first, where no plan fits without the rewrite (`apply`
-    # then takes max_chunks): the fewest chunks that fit cost the least.
+    # Chunk limits tried first, coarsest first, where no plan fits without the rewrite (as
+    # apply_chunking's max_chunks): the fewest chunks that fit cost the least.
     coarse_first: tuple[int, ...] = ()
 
 
 # In the order "auto" tries them where no plan fits: the loss head first (cheap to chunk).
-_REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", find_loss_heads, chunk_loss_heads),
-             _Rewrite("the MLPs", "chunk_mlp", "mlps", find_mlps, chunk_mlps, when_faster=False, coarse_first=(2,)))
+_REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", LOSS_HEAD),
+             _Rewrite("the MLPs", "chunk_mlp", "mlps", MLP, when_faster=False, coarse_first=(2,)))
 
 # Steps measured at most (memcompile/step_meter.py): the first, and those planned for a larger
 # figure of memory outside the regions than the step before.

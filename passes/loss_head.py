@@ -70,7 +70,8 @@ from torch import fx
 from memcompile import loss_ops
 from memcompile._torch_private import linear_ops
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import node_adder, rewritten_copy, static_shape
+from memcompile.passes.chunking import ChunkPattern, GraphBoundary, apply_chunking, cast_nodes, chunk_count, find_matches
+from memcompile.passes.graph_facts import node_adder, static_shape
 
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # Chunk logits no larger than this many times the hidden states (tokens x hidden): small enough
@@ -240,7 +241,7 @@ def _tensor_args(node: fx.Node) -> list[torch.Tensor]:
 
 def _chunks(tokens: int, vocab: int, hidden: int) -> int:
     wanted = math.ceil(vocab / (_CHUNK_LOGITS_OVER_HIDDEN * hidden))
-    return max(1, min(_MAX_CHUNKS, wanted, tokens // _MIN_CHUNK_ROWS))
+    return chunk_count(tokens, wanted, _MAX_CHUNKS, _MIN_CHUNK_ROWS)
 
 
 def _cross_entropy_arguments(node: fx.Node) -> dict[str, Any] | None:
@@ -258,9 +259,11 @@ def _cross_entropy_arguments(node: fx.Node) -> dict[str, Any] | None:
     return arguments
 
 
-def _match(ce: fx.Node, inputs: dict[fx.Node, int], outputs: tuple | None) -> LossHead | None:
-    """The loss head whose cross_entropy is `ce`, if the rewrite can take it. `inputs`: the graph's
-    placeholders by position; `outputs`: the output node's values (None if not a flat tuple)."""
+def _match(ce: fx.Node, boundary: GraphBoundary) -> LossHead | None:
+    """The loss head whose cross_entropy is `ce`, if the rewrite can take it."""
+    if not _is_call(ce, {F.cross_entropy}):
+        return None
+    inputs, outputs = boundary.inputs, boundary.outputs
     arguments = _cross_entropy_arguments(ce)
     if arguments is None:
         return None
@@ -328,13 +331,28 @@ def _match(ce: fx.Node, inputs: dict[fx.Node, int], outputs: tuple | None) -> Lo
                     cast_to=value.dtype if dtypes != {value.dtype} else None)
 
 
+def _replaced(head: LossHead) -> frozenset[str]:
+    """The nodes the rewrite erases (two heads never share one: each node of a head's path is
+    read by the next alone)."""
+    return frozenset((head.linear, *head.steps, head.cross_entropy))
+
+
+def _place_hidden_outputs(graph: fx.Graph, heads: tuple[LossHead, ...]) -> tuple[LossHead, ...]:
+    """The heads with the positions of the hidden states their rewrites append to the graph's
+    outputs (returned logits whose h is not a graph input: their gradient path needs h)."""
+    (output,) = graph.find_nodes(op="output")
+    at = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 0
+    placed = []
+    for head in heads:
+        if head.returned and head.hidden_input is None:
+            head, at = dataclasses.replace(head, hidden_output=at), at + 1
+        placed.append(head)
+    return tuple(placed)
+
+
 def find_loss_heads(graph: fx.Graph) -> tuple[LossHead, ...]:
     """The loss heads of a Dynamo graph that chunking would split into more than one chunk."""
-    inputs = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
-    (output,) = graph.find_nodes(op="output")
-    outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else None
-    heads = (_match(n, inputs, outputs) for n in graph.nodes if _is_call(n, {F.cross_entropy}))
-    return tuple(h for h in heads if h is not None)
+    return find_matches(graph, LOSS_HEAD)
 
 
 def chunk_loss_heads(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[LossHead, ...]]:
@@ -342,18 +360,7 @@ def chunk_loss_heads(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[LossHead
     Returns `gm` itself and () when no loss head matches. Where a head's logits are returned,
     its hidden states may be returned too, after the graph's own outputs: run the copy's outputs
     through `with_logits_gradients` (memcompile's backend does; or call `chunked_heads_forward`)."""
-    heads = find_loss_heads(gm.graph)
-    if not heads:
-        return gm, ()
-    (output,) = gm.graph.find_nodes(op="output")
-    at = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 0
-    placed = []
-    for head in heads:
-        if head.returned and head.hidden_input is None:
-            head, at = dataclasses.replace(head, hidden_output=at), at + 1
-        placed.append(head)
-    heads = tuple(placed)
-    return rewritten_copy(gm, heads, _rewrite), heads
+    return apply_chunking(gm, LOSS_HEAD)
 
 
 def with_logits_gradients(heads: Sequence[LossHead], outputs: Any, args: Sequence[Any]) -> Any:
@@ -391,9 +398,7 @@ def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> No
 
     with graph.inserting_before(ce):
         flat = add("call_method", "reshape", (hidden, -1, head.hidden))
-        if head.cast_to is not None:
-            flat, weight = (add("call_method", "to", (x, head.cast_to)) for x in (flat, weight))
-            bias = add("call_method", "to", (bias, head.cast_to)) if isinstance(bias, fx.Node) else bias
+        flat, weight, bias = cast_nodes(add, (flat, weight, bias), head.cast_to)
         if head.seq_window is not None:
             # the op computes every position: those the loss does not read get ignore_index
             start, stop = head.seq_window
@@ -420,3 +425,6 @@ def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> No
         output.args = ((*output.args[0], hidden),)
     for node in (ce, *reversed([by_name[n] for n in head.steps]), linear):
         graph.erase_node(node)
+
+
+LOSS_HEAD = ChunkPattern("loss head", _match, _replaced, _rewrite, prepare=_place_hidden_outputs)

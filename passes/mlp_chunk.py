@@ -19,7 +19,6 @@ with act one of F.gelu (exact or tanh), F.silu, F.relu / torch.relu.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ from torch import fx
 from memcompile import mlp_ops
 from memcompile._torch_private import gelu_ops, linear_ops, silu_ops
 from memcompile.cost_models.device import DeviceProfile
-from memcompile.passes.graph_facts import node_adder, rewritten_copy, static_shape
+from memcompile.passes.chunking import ChunkPattern, GraphBoundary, apply_chunking, cast_nodes, chunk_count, find_matches
+from memcompile.passes.graph_facts import node_adder, static_shape
 
 # A chunk's (rows x intermediate) buffers no larger than half the MLP's input (tokens x hidden):
 # the backward's four chunk buffers then hold about what two hidden states hold.
@@ -131,10 +131,11 @@ def _value(node: object) -> torch.Tensor | None:
 
 def _chunks(tokens: int, hidden: int, inner: int) -> int:
     wanted = math.ceil(inner / (_CHUNK_INNER_OVER_HIDDEN * hidden))
-    return max(1, min(_MAX_CHUNKS, wanted, tokens // _MIN_CHUNK_ROWS))
+    return chunk_count(tokens, wanted, _MAX_CHUNKS, _MIN_CHUNK_ROWS)
 
 
-def _match(down: fx.Node) -> MlpBlock | None:
+def _match(down: fx.Node, _boundary: GraphBoundary) -> MlpBlock | None:
+    """The MLP whose down projection is `down`, if the rewrite can take it."""
     down_args = _linear(down)
     if down_args is None:
         return None
@@ -194,28 +195,14 @@ def _nodes_of(block: MlpBlock) -> frozenset[str]:
 
 def find_mlps(graph: fx.Graph) -> tuple[MlpBlock, ...]:
     """The MLPs of a Dynamo graph that chunking would split into more than one chunk, no two
-    sharing a node: in a stack of linear -> activation layers every linear is both the down
-    projection of one match and the up projection of the next, and the rewrite erases the
-    nodes it replaces. The first match in graph order wins."""
-    blocks, taken = [], set()
-    for node in graph.nodes:
-        block = _match(node) if node.op == "call_function" else None
-        if block is not None and not (_nodes_of(block) & taken):
-            blocks.append(block)
-            taken |= _nodes_of(block)
-    return tuple(blocks)
+    sharing a node (passes/chunking.find_matches: the first in graph order wins)."""
+    return find_matches(graph, MLP)
 
 
 def chunk_mlps(gm: fx.GraphModule, max_chunks: int | None = None) -> tuple[fx.GraphModule, tuple[MlpBlock, ...]]:
     """A copy of `gm` with every MLP chunked (see the module docstring), and the MLPs; with
-    `max_chunks`, into at most that many chunks each (fewer, larger chunks: less overhead, more
-    memory). Returns `gm` itself and () when none matches."""
-    blocks = find_mlps(gm.graph)
-    if max_chunks is not None:
-        blocks = tuple(dataclasses.replace(b, chunks=max(1, min(b.chunks, max_chunks))) for b in blocks)
-    if not blocks:
-        return gm, ()
-    return rewritten_copy(gm, blocks, _rewrite), blocks
+    `max_chunks`, into at most that many chunks each. Returns `gm` itself and () when none matches."""
+    return apply_chunking(gm, MLP, max_chunks)
 
 
 def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> None:
@@ -229,10 +216,8 @@ def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> N
     add = node_adder(graph, down)
 
     with graph.inserting_before(down):
-        tensors = [x, w_up, b_up, w_gate, b_gate, w_down, b_down]
-        if block.cast_to is not None:
-            tensors = [add("call_method", "to", (t, block.cast_to)) if isinstance(t, fx.Node) else t for t in tensors]
-        x, w_up, b_up, w_gate, b_gate, w_down, b_down = tensors
+        x, w_up, b_up, w_gate, b_gate, w_down, b_down = cast_nodes(
+            add, (x, w_up, b_up, w_gate, b_gate, w_down, b_down), block.cast_to)
         flat = add("call_method", "reshape", (x, -1, block.hidden))
         y = add("call_function", mlp_ops.FORWARD,
                 (flat, w_up, b_up, w_gate, b_gate, w_down, b_down, block.activation, rows))
@@ -241,3 +226,6 @@ def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> N
     for name in (block.down, block.product, block.activation_node, block.up, block.gate):
         if name:
             graph.erase_node(by_name[name])
+
+
+MLP = ChunkPattern("MLP", _match, _nodes_of, _rewrite)
