@@ -47,7 +47,6 @@ class GraphBoundary:
 class ChunkPattern(Generic[Match]):
     """One chunking rewrite: how it finds its matches and rewrites one."""
 
-    name: str  # for messages: "loss head", "MLP"
     match: Callable[[fx.Node, GraphBoundary], Match | None]
     # The names of the nodes the rewrite of a match erases: no two matches may share one.
     replaced: Callable[[Match], frozenset[str]]

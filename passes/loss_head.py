@@ -427,4 +427,4 @@ def _rewrite(graph: fx.Graph, head: LossHead, by_name: dict[str, fx.Node]) -> No
         graph.erase_node(node)
 
 
-LOSS_HEAD = ChunkPattern("loss head", _match, _replaced, _rewrite, prepare=_place_hidden_outputs)
+LOSS_HEAD = ChunkPattern(_match, _replaced, _rewrite, prepare=_place_hidden_outputs)

@@ -228,4 +228,4 @@ def _rewrite(graph: fx.Graph, block: MlpBlock, by_name: dict[str, fx.Node]) -> N
             graph.erase_node(by_name[name])
 
 
-MLP = ChunkPattern("MLP", _match, _nodes_of, _rewrite)
+MLP = ChunkPattern(_match, _nodes_of, _rewrite)
