@@ -845,225 +845,198 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
 
 
 def _schedule_of(graph):
-    """The kernels of a lowered and scheduled GraphLowering (the current V.graph), as plain data."""
+    """The kernels of a lowered and scheduled GraphLowering (the current V.graph), as plain data:
+    the facts are read here, what the wrapper allocates, frees and writes in place is decided in
+    memcompile.passes.inductor_schedule."""
+    from memcompile.passes.inductor_schedule import schedule_from_facts
+
+    return schedule_from_facts(_schedule_facts(graph))
+
+
+def _schedule_facts(graph):
+    """Inductor's scheduler nodes and buffers as plain data (passes/inductor_schedule.py ScheduleFacts)."""
+    from memcompile.passes.inductor_schedule import ScheduleFacts
+
+    scheduler = graph.scheduler
+    # each scheduled node object by its name (a users list may still hold a node Inductor replaced)
+    scheduled = {sub.get_name(): sub for snode in scheduler.nodes for sub in snode.get_nodes()}
+    cpp_backend = [_runs_on_cpp_backend(scheduler, snode) for snode in scheduler.nodes]
+    buffers = tuple(_buffer_facts(graph, name, buf, scheduled) for name, buf in scheduler.name_to_buf.items())
+    donated = tuple(_buffer_facts(graph, name, buf, scheduled, donated=True)
+                    for name, buf in scheduler.name_to_donated_buffer.items())
+    kernels = tuple(_kernel_facts(scheduler, snode, cpp) for snode, cpp in zip(scheduler.nodes, cpp_backend))
+    outputs = tuple(_output_buffer_name(value) for value in graph.graph_outputs)
+    peak_estimate, overall_peak_estimate = _inductor_peak_estimate(graph)
+    return ScheduleFacts(kernels, buffers, donated, outputs, frozenset(graph.graph_inputs),
+                         frozenset(graph.unaligned_buffers), peak_estimate, overall_peak_estimate)
+
+
+def _transfer_op(node):
+    """Our transfer op (memcompile/transfer_ops.py) that made `node`, if any, and its kernel."""
     from torch._inductor import ir
-    from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 
     from memcompile import transfer_ops
-    from memcompile.passes.inductor_schedule import InductorSchedule, ScheduledBuffer, ScheduledKernel
 
-    hint = graph.sizevars.optimization_hint
-
-    def transfer_op(node):
-        """Our transfer op (memcompile/transfer_ops.py) that made `node`, if any."""
-        kernel = node.inputs[0] if isinstance(node, ir.MultiOutput) and node.inputs else node
-        op = getattr(kernel, "op_overload", None)
-        return (op, kernel) if op in (transfer_ops.COPY_TO_HOST, transfer_ops.WAIT_COPY) else (None, None)
-
-    def base_of(name: str, depth: int = 0) -> str:
-        """The buffer whose storage `name` uses (views into a concat, mutation results, the
-        alias a transfer wait returns)."""
-        buf = graph.scheduler.name_to_buf.get(name)
-        if buf is None or depth > 32:
-            return name
-        op, kernel = transfer_op(buf.node)
-        if op is transfer_ops.WAIT_COPY and kernel.inputs:
-            return base_of(kernel.inputs[0].get_name(), depth + 1)
-        node, layout = buf.node, buf.node.get_output_spec()
-        if isinstance(layout, ir.NonOwningLayout):
-            return base_of(layout.view.get_name(), depth + 1)
-        if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
-            return base_of(layout.get_buffer().get_name(), depth + 1)
-        mutated = node.get_mutation_names()
-        if isinstance(node, ir.MutationOutput) and mutated:
-            return base_of(mutated[0], depth + 1)
-        return name
-
-    def nbytes(node) -> int:
-        if transfer_op(node)[0] is transfer_ops.COPY_TO_HOST:
-            return 0  # host memory (on the CPU test switch, standing in for it)
-        return int(hint(graph.get_allocation_storage_size(node))) * node.get_dtype().itemsize
-
-    # Members of a multi-output library call (sdpa's outputs...) are allocated by the call.
-    members: dict[str, list[str]] = {}
-    for name, buf in graph.scheduler.name_to_buf.items():
-        if isinstance(buf.node, ir.MultiOutput) and buf.node.inputs:
-            members.setdefault(buf.node.inputs[0].get_name(), []).append(name)
-
-    def storages_read(names) -> list[str]:
-        out: list[str] = []
-        for name in names:
-            base = base_of(name)
-            out.extend(members.get(base, [base]))
-        return list(dict.fromkeys(out))
-
-    kernel_of = {sub.get_name(): i for i, sn in enumerate(graph.scheduler.nodes) for sub in sn.get_nodes()}
-    call_groups = _cpp_call_groups(graph.scheduler)
-    kernels = []
-    generated_kernels: set[int] = set()
-    for index, snode in enumerate(graph.scheduler.nodes):
-        outputs = [b.get_name() for b in snode.get_outputs()]
-        allocates = []
-        for name in outputs:
-            node = graph.scheduler.name_to_buf[name].node
-            layout = node.get_output_spec()
-            if base_of(name) != name or isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)):
-                continue  # an alias, or a tuple whose members are counted below
-            if isinstance(node, ir.MultiOutput):
-                continue  # allocated by its producer
-            allocates.append(ScheduledBuffer(name, nbytes(node), str(node.get_dtype())))
-        for name in outputs:
-            for member in members.get(name, ()):
-                node = graph.scheduler.name_to_buf[member].node
-                allocates.append(ScheduledBuffer(member, nbytes(node), str(node.get_dtype())))
-        deps = list(snode.read_writes.reads) + list(snode.read_writes.writes)
-        reads = [n for n in storages_read(d.name for d in deps) if n not in {b.name for b in allocates}]
-        if any(isinstance(graph.scheduler.name_to_buf[o].node, ir.MultiOutput) for o in outputs):
-            reads = storages_read(outputs) + reads  # the tuple holds every member until here
-        extern = isinstance(snode, ExternKernelSchedulerNode)
-        generated = not extern and not isinstance(snode, NopKernelSchedulerNode)
-        if generated:
-            generated_kernels.add(index)
-        candidates: list[tuple[str, str]] = []
-        if generated:
-            # Scheduler.decide_inplace_update: a result may be written over an input whose
-            # only use left is this very node (each node of a fused kernel is a use of its
-            # own), read there at the index written, by a kernel the wrapper allocates for.
-            allocated = {b.name for b in allocates}
-            members_of_kernel = {id(n) for n in snode.get_nodes()}
-            for sub in snode.get_nodes():
-                for out in sub.get_outputs():
-                    if out.get_name() not in allocated:
-                        continue
-                    for read in dict.fromkeys(d.name for d in sub.read_writes.reads):
-                        donor = graph.scheduler.name_to_donated_buffer.get(read) or \
-                            graph.scheduler.name_to_buf.get(read)
-                        if donor is None or donor.node is None or isinstance(
-                                donor.node.get_output_spec(),
-                                (ir.NoneLayout, ir.MultiOutputLayout, ir.MutationLayoutSHOULDREMOVE)):
-                            continue
-                        if isinstance(getattr(donor, "defining_op", None), NopKernelSchedulerNode):
-                            continue
-                        # uses by kernels run before, or by nodes this one depends on, are done
-                        remaining = [u for u in donor.users if not isinstance(u.node, BaseSchedulerNode)
-                                     or (kernel_of.get(u.node.get_name(), -1) >= index
-                                         and u.node.get_name() not in sub.ancestors)]
-                        if (len(remaining) == 1 and remaining[0].node is sub and remaining[0].can_inplace
-                                and _one_access_in_kernel(read, donor, members_of_kernel)):
-                            # the first eligible read wins, even a buffer of this kernel the
-                            # check counts as kernel-local (then no other input is donated):
-                            # GPT-2's fused tanh backward took its own 1 MiB buffer, not its input
-                            candidates.append((out.get_name(), base_of(read)))
-                            break
-        node = snode.node
-        origin = getattr(node, "origin_node", None) if node is not None else None
-        if origin is None and outputs:
-            origin = getattr(graph.scheduler.name_to_buf[outputs[0]].node, "origin_node", None)
-        if extern and origin is None and node is not None:
-            # a library call returning a tuple: the FX node that calls the same op
-            op = getattr(node, "op_overload", None)
-            origin = next((o for o in node.origins if o.target is op), None) if op is not None else None
-        wrapper_allocates = generated or isinstance(snode, NopKernelSchedulerNode) or isinstance(
-            node, ir.ExternKernelOut)
-        kernels.append(ScheduledKernel(
-            index=index, name=origin.name if origin is not None else snode.get_name(),
-            allocates=tuple(allocates), reads=tuple(reads), in_place_candidates=tuple(candidates),
-            wrapper_allocates=wrapper_allocates, extern_origin=origin.name if extern and origin is not None else "",
-            call_group=call_groups[index], library_call=extern))
-
-    outputs: list[str | None] = []
-    for value in graph.graph_outputs:
-        if isinstance(value, (ir.NoneAsConstantBuffer, ir.ShapeAsConstantBuffer)):
-            outputs.append(None)
-            continue
-        try:
-            outputs.append(base_of(value.get_name()))
-        except (AttributeError, NotImplementedError):
-            outputs.append(None)
-    # A generated kernel's result that no other kernel reads and the graph does not return is
-    # kept in registers: its code generation removes the buffer (remove_kernel_local_buffers).
-    read_elsewhere = {n for k in kernels for n in k.reads} | {o for o in outputs if o is not None}
-    read_elsewhere |= _outer_loop_fused_kept_buffers(graph.scheduler.nodes)
-    kernels = [dataclasses.replace(k, allocates=tuple(b for b in k.allocates if b.name in read_elsewhere))
-               if k.index in generated_kernels else k
-               for k in kernels]
-    # What the wrapper reuses a freed buffer by includes its alignment (buffer_reuse_key).
-    unaligned = set(graph.unaligned_buffers)
-    kernels = [dataclasses.replace(k, allocates=tuple(dataclasses.replace(b, aligned=False)
-                                                      if b.name in unaligned else b for b in k.allocates))
-               for k in kernels]
-    peak_estimate = _inductor_peak_estimate(graph)
-    return InductorSchedule(tuple(kernels), tuple(outputs), *peak_estimate,
-                            unaligned_inputs=frozenset(n for n in unaligned if n in graph.graph_inputs))
+    kernel = node.inputs[0] if isinstance(node, ir.MultiOutput) and node.inputs else node
+    op = getattr(kernel, "op_overload", None)
+    return (op, kernel) if op in (transfer_ops.COPY_TO_HOST, transfer_ops.WAIT_COPY) else (None, None)
 
 
-def _cpp_call_groups(scheduler) -> list[int]:
-    """Per scheduler node, the wrapper call it runs in (-1: one of its own), as
-    Scheduler._codegen emits them: it flushes the backend (emits the pending call, then frees
-    what it read last) before a library call, a template or a device change, and frees right
-    after a library call; Inductor's C++ backend (CppScheduling) otherwise keeps adding
-    generated kernels to one call (its ready_to_flush only past 500 arguments: ignored, a larger
-    group holds more, never less). Other backends (Triton) free after each kernel."""
+def _aliased_buffer(node, op, kernel) -> str | None:
+    """The buffer whose storage `node` uses, one step (None: its own): a view into a concat, a
+    mutation's target, the copy a transfer wait returns. `op, kernel`: its _transfer_op."""
+    from torch._inductor import ir
+
+    from memcompile import transfer_ops
+
+    if op is transfer_ops.WAIT_COPY and kernel.inputs:
+        return kernel.inputs[0].get_name()
+    layout = node.get_output_spec()
+    if isinstance(layout, ir.NonOwningLayout):
+        return layout.view.get_name()
+    if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+        return layout.get_buffer().get_name()
+    mutated = node.get_mutation_names()
+    return mutated[0] if isinstance(node, ir.MutationOutput) and mutated else None
+
+
+def _layout_kind(spec) -> str:
+    """passes/inductor_schedule.py LAYOUT_* of an IR node's output spec."""
+    from torch._inductor import ir
+
+    from memcompile.passes import inductor_schedule as schedule
+
+    kinds = ((ir.NoneLayout, schedule.LAYOUT_NONE), (ir.MultiOutputLayout, schedule.LAYOUT_MULTI_OUTPUT),
+             (ir.NonOwningLayout, schedule.LAYOUT_NON_OWNING), (ir.MutationLayoutSHOULDREMOVE, schedule.LAYOUT_MUTATION))
+    return next((kind for spec_type, kind in kinds if isinstance(spec, spec_type)), schedule.LAYOUT_PLAIN)
+
+
+def _buffer_facts(graph, name: str, buf, scheduled: dict, donated: bool = False):
+    """A scheduler buffer, sized where it is a storage of its own (a MultiOutput member: its
+    producer's); or a graph input donated to the backward, as an in-place donor only."""
+    from torch._inductor import ir
+    from torch._inductor import scheduler as inductor_scheduler
+
+    from memcompile import transfer_ops
+    from memcompile.passes import inductor_schedule as schedule
+
+    node = buf.node
+    layout = None if node is None else _layout_kind(node.get_output_spec())
+    uses = tuple(schedule.BufferUse(
+        u.node.get_name() if isinstance(u.node, inductor_scheduler.BaseSchedulerNode) else None,
+        isinstance(u.node, inductor_scheduler.BaseSchedulerNode) and scheduled.get(u.node.get_name()) is u.node,
+        isinstance(u.node, inductor_scheduler.SchedulerNode), bool(u.can_inplace)) for u in buf.users)
+    by_no_op = isinstance(getattr(buf, "defining_op", None), inductor_scheduler.NopKernelSchedulerNode)
+    if donated:
+        return schedule.BufferFacts(name, layout, defined_by_no_op=by_no_op, users=uses)
+    op, kernel = _transfer_op(node)
+    aliases = _aliased_buffer(node, op, kernel)
+    member_of = node.inputs[0].get_name() if isinstance(node, ir.MultiOutput) and node.inputs else None
+    device_bytes, dtype = 0, ""
+    if (aliases is None and layout == schedule.LAYOUT_PLAIN) or member_of is not None:
+        dtype = str(node.get_dtype())
+        if op is not transfer_ops.COPY_TO_HOST:  # host memory (on the CPU test switch, standing in)
+            size = graph.sizevars.optimization_hint(graph.get_allocation_storage_size(node))
+            device_bytes = int(size) * node.get_dtype().itemsize
+    return schedule.BufferFacts(name, layout, aliases, member_of, isinstance(node, ir.MultiOutput), device_bytes,
+                                dtype, by_no_op, uses)
+
+
+def _donor_of(scheduler, name: str):
+    """The buffer Scheduler.decide_inplace_update would write over for a read of `name`."""
+    return scheduler.name_to_donated_buffer.get(name) or scheduler.name_to_buf.get(name)
+
+
+def _runs_on_cpp_backend(scheduler, snode) -> bool:
     from torch._inductor.codegen.cpp import CppScheduling
 
-    groups: list[int] = []
-    current, device = -1, None
-    for index, snode in enumerate(scheduler.nodes):
-        node_device = snode.get_device()
-        backend = None
-        if node_device is not None and node_device.type != "meta":
-            try:
-                backend = scheduler.get_backend(node_device)
-            except Exception:  # noqa: BLE001 - no backend known: a call of its own
-                backend = None
-        if node_device is None and not snode.is_extern():
-            groups.append(current)  # a no-op kernel: no flush, no call, inside the pending one
-            continue
-        if snode.is_extern() or not isinstance(backend, CppScheduling):
-            groups.append(-1)
-            current = -1
-            continue
-        if current < 0 or snode.is_template() or (node_device is not None and node_device != device):
-            current = index
-        if node_device is not None:
-            device = node_device
-        groups.append(current)
-    return groups
+    device = snode.get_device()
+    if device is None or device.type == "meta":
+        return False
+    try:
+        backend = scheduler.get_backend(device)
+    except Exception:  # noqa: BLE001 - no backend known: a call of its own
+        return False
+    return isinstance(backend, CppScheduling)
 
 
-def _outer_loop_fused_kept_buffers(snodes) -> set[str]:
-    """Buffers a C++ kernel fused over an outer loop (OuterLoopFusedSchedulerNode) passes from one
-    of its inner loop nests to another: each nest is its own kernel body
-    (codegen/cpp.py codegen_outer_loop_node), so the buffer is stored and the wrapper allocates
-    it, although no other kernel reads it. The exception is Inductor's kernel-local buffer
-    (try_outer_loop_fusion_with_local_buf): a contiguous, contiguously written and read
-    pointwise result, when every inner nest spans the fused depth plus one loop. On GPT-2 the
-    backward's fused log-softmax and layer-norm kernels kept three such 2 KiB row statistics
-    (a reduction, never local), and the check had them in registers."""
+def _kernel_facts(scheduler, snode, cpp_backend: bool):
+    from torch._inductor import ir
+    from torch._inductor import scheduler as inductor_scheduler
+
+    from memcompile.passes.inductor_schedule import KernelFacts, NodeFacts
+
+    def node_facts(sub) -> NodeFacts:
+        reads = tuple(dict.fromkeys(d.name for d in sub.read_writes.reads))
+        uses = [u.node for read in reads if (donor := _donor_of(scheduler, read)) is not None for u in donor.users]
+        earlier = frozenset(n.get_name() for n in uses if isinstance(n, inductor_scheduler.BaseSchedulerNode)
+                            and n.get_name() in sub.ancestors)
+        return NodeFacts(sub.get_name(), tuple(b.get_name() for b in sub.get_outputs()), reads, earlier)
+
+    kind = ("library" if isinstance(snode, inductor_scheduler.ExternKernelSchedulerNode)
+            else "no_op" if isinstance(snode, inductor_scheduler.NopKernelSchedulerNode) else "generated")
+    device = snode.get_device()
+    outputs = tuple(b.get_name() for b in snode.get_outputs())
+    members = snode.get_nodes()
+    members_of_kernel = {id(n) for n in members}
+    donors = {name: _donor_of(scheduler, name) for sub in members for name in dict.fromkeys(
+        d.name for d in sub.read_writes.reads)}
+    one_index = frozenset(name for name, donor in donors.items() if donor is not None
+                          and _one_access_in_kernel(name, donor, members_of_kernel))
+    origin = _origin_of(scheduler, snode, outputs, kind == "library")
+    return KernelFacts(snode.get_name(), kind, snode.is_extern(), snode.is_template(),
+                       None if device is None else str(device), cpp_backend, outputs,
+                       tuple(d.name for d in list(snode.read_writes.reads) + list(snode.read_writes.writes)),
+                       None if origin is None else origin.name, isinstance(snode.node, ir.ExternKernelOut),
+                       tuple(node_facts(sub) for sub in members), one_index, _outer_loop_facts(snode))
+
+
+def _origin_of(scheduler, snode, outputs: tuple[str, ...], library_call: bool):
+    """The FX node a kernel computes, where Inductor records one."""
+    node = snode.node
+    origin = getattr(node, "origin_node", None) if node is not None else None
+    if origin is None and outputs:
+        origin = getattr(scheduler.name_to_buf[outputs[0]].node, "origin_node", None)
+    if library_call and origin is None and node is not None:
+        # a library call returning a tuple: the FX node that calls the same op
+        op = getattr(node, "op_overload", None)
+        origin = next((o for o in node.origins if o.target is op), None) if op is not None else None
+    return origin
+
+
+def _output_buffer_name(value) -> str | None:
+    """The buffer (or graph input) an output of the lowered graph is; None: not a tensor."""
+    from torch._inductor import ir
+
+    if isinstance(value, (ir.NoneAsConstantBuffer, ir.ShapeAsConstantBuffer)):
+        return None
+    try:
+        return value.get_name()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _outer_loop_facts(snode):
+    """The loop nests of a C++ kernel fused over an outer loop (OuterLoopFusedSchedulerNode), and
+    what Inductor's kernel-local buffer rule reads of its members; None for any other kernel."""
     from torch._inductor.scheduler import FusedSchedulerNode, SchedulerNode
 
-    kept: set[str] = set()
-    for snode in snodes:
-        outer = getattr(snode, "get_outer_nodes", None)
-        if outer is None or not hasattr(snode, "outer_loop_fusion_depth"):
-            continue
-        nests = list(outer())
-        nest_of = {sub.get_name(): i for i, nest in enumerate(nests) for sub in nest.get_nodes()}
-        members = snode.get_nodes()
-        try:
-            local_ok = all(len(_call_ranges(n)) == snode.outer_loop_fusion_depth + 1 for n in nests
-                           if isinstance(n, (SchedulerNode, FusedSchedulerNode)))
-        except Exception:  # noqa: BLE001 - unreadable: no local buffers (an over-count, never under)
-            local_ok = False
-        for sub in members:
-            for buf in sub.get_outputs():
-                readers = [u.node for u in buf.users if isinstance(getattr(u, "node", None), SchedulerNode)]
-                if not any(nest_of.get(r.get_name(), -1) not in (-1, nest_of[sub.get_name()]) for r in readers):
-                    continue  # read in its own nest only (or outside: counted as read elsewhere)
-                if local_ok and _becomes_local_buffer(sub, buf, members):
-                    continue
-                kept.add(buf.get_name())
-    return kept
+    from memcompile.passes.inductor_schedule import OuterLoopFacts
+
+    outer = getattr(snode, "get_outer_nodes", None)
+    if outer is None or not hasattr(snode, "outer_loop_fusion_depth"):
+        return None
+    nests = list(outer())
+    try:
+        loop_counts = tuple(len(_call_ranges(n)) for n in nests if isinstance(n, (SchedulerNode, FusedSchedulerNode)))
+    except Exception:  # noqa: BLE001 - unreadable: no local buffers (an over-count, never under)
+        loop_counts = None
+    members = snode.get_nodes()
+    return OuterLoopFacts(
+        snode.outer_loop_fusion_depth, tuple(tuple(sub.get_name() for sub in nest.get_nodes()) for nest in nests),
+        loop_counts, frozenset(sub.get_name() for sub in members if _reduction_or_unreadable(sub)),
+        frozenset(buf.get_name() for sub in members for buf in sub.get_outputs()
+                  if _written_and_read_contiguously(sub, buf)))
 
 
 def _call_ranges(node) -> tuple:
@@ -1072,25 +1045,29 @@ def _call_ranges(node) -> tuple:
     return tuple(group) + tuple(reduction_group)
 
 
-def _becomes_local_buffer(sub, buf, members) -> bool:
-    """The conditions of codegen/cpp.py try_outer_loop_fusion_with_local_buf for one result."""
+def _reduction_or_unreadable(sub) -> bool:
+    try:
+        return bool(sub.is_reduction())
+    except Exception:  # noqa: BLE001 - unreadable: taken as a reduction, never local (an over-count)
+        return True
+
+
+def _written_and_read_contiguously(sub, buf) -> bool:
+    """A result of `sub` with a contiguous layout, which `sub` writes and every user reads at the
+    contiguous index of `sub`'s loops (codegen/cpp.py try_outer_loop_fusion_with_local_buf)."""
     from torch._inductor.scheduler import SchedulerNode
 
     try:
-        if sub.is_reduction() or len(sub.get_outputs()) != 1:
-            return False
-        if not all(u.node in members for u in buf.users):
-            return False
-        if not buf.node.get_layout().is_contiguous():
-            return False
         body = sub._body
         contiguous, stride = 0, 1
         for var, size in reversed(body.var_ranges.items()):
             contiguous += stride * var
             stride *= size
         name = buf.get_name()
+        # the layout last: its check (sympy over every stride) costs the most
         return body.get_write_expr(name) == contiguous and all(
-            isinstance(u.node, SchedulerNode) and u.node._body.get_read_expr(name) == contiguous for u in buf.users)
+            isinstance(u.node, SchedulerNode) and u.node._body.get_read_expr(name) == contiguous
+            for u in buf.users) and buf.node.get_layout().is_contiguous()
     except Exception:  # noqa: BLE001 - unreadable: count the buffer (an over-count, never under)
         return False
 
