@@ -34,7 +34,7 @@ from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step
 from memcompile.joint_plan import step_peaks as joint_step_peaks
 from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes, saved_bytes_of
 from memcompile.options import Options, with_resolved_budget
-from memcompile.plan import Plan, format_bytes, with_input_names
+from memcompile.plan import Plan, TextEnum, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
 from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, cost_profile, held_bytes,
                                 plan_joint_graph, planning_environment, predicted_inference_peak)
@@ -146,6 +146,14 @@ class _Variant:
         if self.plan is None or self.inputs is None:
             return None  # an inference graph: saves nothing
         return footprint_of(self.plan, self.inputs, held_by_caller)
+
+
+class _PlannedFor(TextEnum):
+    """What a variant was planned for: the head of its key in _Region.variants."""
+
+    LEAST = "least"  # the least peak (a first step, while the rest of the step is not known)
+    OUTSIDE = "outside"  # the budget beside what the rest of the step holds (the key's next element)
+    OPTION = "option"  # the decisions the step plan chose among the region's options
 
 
 def _symbol_sites(fake_inputs: Sequence[object]) -> tuple[tuple[int, int | None, object], ...]:
@@ -262,7 +270,7 @@ class _Region:
             position > 0 or backend.compiled_ahead > 0 or self.ends_at_graph_break or self.called_mid_step)
         cautious = cautious or backend.cautious_now()
         self.followed_in_first_step = cautious  # more of the first step may follow it
-        kind = "least" if cautious else "outside"
+        kind = _PlannedFor.LEAST if cautious else _PlannedFor.OUTSIDE
         if not cautious and not backend.measured_steps:
             # Until a step is measured, a step's one region holds room as its backward starts
             # for the gradient of what it returns: a loss computed on returned logits makes at
@@ -293,7 +301,7 @@ class _Region:
         # and searches every rung again (benchmarks/first_call.py, its `of:0.5:plain` rows).
         refused_key = self._ladder_key(outside, f"refused position={position}") if defer else None
         refused = plan_store.load(backend.options.plan_store_dir, refused_key) if refused_key else None
-        if refused is not None and refused.kind == "infeasible":
+        if refused is not None and refused.kind == plan_store.Outcome.INFEASIBLE:
             logs.stage("no graph of this region's rewrite ladder fitted this budget in an earlier launch (plan store)")
             raise InfeasibleBudgetError(refused.error_message, budget_bytes=backend.options.budget_bytes,
                                         min_feasible_bytes=refused.min_feasible_bytes,
@@ -367,8 +375,9 @@ class _Region:
         except InfeasibleBudgetError as error:
             if refused_key is not None:
                 plan_store.save(self.backend.options.plan_store_dir, refused_key, plan_store.StoredOutcome(
-                    "infeasible", error_message=str(error), min_feasible_bytes=error.min_feasible_bytes,
-                    contributors=tuple(error.contributors), whole_step=error.whole_step))
+                    plan_store.Outcome.INFEASIBLE, error_message=str(error),
+                    min_feasible_bytes=error.min_feasible_bytes, contributors=tuple(error.contributors),
+                    whole_step=error.whole_step))
             raise
 
     def _pending_rewrites(self) -> list["_Rewrite"]:
@@ -630,7 +639,7 @@ class _Region:
             # AOTAutograd's cache served the graphs (no partitioner ran): their plan is the one kept
             # under the same key when they were compiled; without it, compiled again uncached
             stored = plan_store.load(options.plan_store_dir, cache_key)
-            if stored is None or stored.kind != "compiled":
+            if stored is None or stored.kind != plan_store.Outcome.COMPILED:
                 log.debug("memcompile: AOTAutograd's cache had this graph but the plan store not its plan; "
                           "compiling it again")
                 again = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
@@ -659,7 +668,7 @@ class _Region:
             record.plan = confirmed
         if cache_key is not None and not from_cache and record.plan is not None:
             plan_store.save(options.plan_store_dir, cache_key, plan_store.StoredOutcome(
-                "compiled", plan=record.plan, solution=request.solution, inputs=record.inputs))
+                plan_store.Outcome.COMPILED, plan=record.plan, solution=request.solution, inputs=record.inputs))
         if record.inference_peak_bytes is not None:
             _check_inference_peak(record.inference_peak_bytes, options)
         variant = _Variant(fn, record.plan, record.inputs,
@@ -723,14 +732,15 @@ class _Region:
         if plan.predicted_peak_bytes + held <= backend.options.step_budget_bytes and not cautious_now:
             return variant, outside
         least = backend.in_first_step() or variant.cautious or backend.cautious_now()
-        key = ("least" if least else "outside", held, self._sizes_key())
+        planned_for = _PlannedFor.LEAST if least else _PlannedFor.OUTSIDE
+        key = (planned_for, held, self._sizes_key())
         fitted = self.variants.get(key)
         if fitted is None:
             log.info("memcompile: %s at step position %d would peak at %s with what the step holds then; "
                      "planning it for that", plan.graph_id, position, format_bytes(plan.predicted_peak_bytes + held))
             try:
                 fitted = self._plan_for_position(position, held, lambda o: self._recompile(
-                    ("least" if least else "outside", o, self._sizes_key()), o, PlanRequest(least_peak=least)))
+                    (planned_for, o, self._sizes_key()), o, PlanRequest(least_peak=least)))
             except InfeasibleBudgetError as error:
                 if held_grads:
                     error = InfeasibleBudgetError(
@@ -744,7 +754,7 @@ class _Region:
 
     def _replan(self, position: int, outside: int) -> _Variant:
         least = self.backend.cautious_now()
-        kind = "least" if least else "outside"
+        kind = _PlannedFor.LEAST if least else _PlannedFor.OUTSIDE
         try:
             return self._plan_for_position(position, outside, lambda o: self._recompile(
                 (kind, o, self._sizes_key()), o, PlanRequest(least_peak=least)))
@@ -770,7 +780,7 @@ class _Region:
         if self.replanner is None and current is not None and current.from_autograd_cache \
                 and self.fake_inputs is not None:
             # served by AOTAutograd's cache, with no Replanner: traced again to offer the options
-            self._recompile(("outside", self._current[1], self._sizes_key()), self._current[1], PlanRequest())
+            self._recompile((_PlannedFor.OUTSIDE, self._current[1], self._sizes_key()), self._current[1], PlanRequest())
         if self.replanner is None:
             variant = self._current[0] if self._current else None
             plan = variant.plan if variant is not None else None
@@ -803,7 +813,7 @@ class _Region:
                 decisions, outside = self.assigned
                 if self._current is not None and self._current[0].decisions == decisions.decisions:
                     return self._current[0], outside  # it already runs the step plan's choice
-                key = ("option", decisions.decisions, self._sizes_key())
+                key = (_PlannedFor.OPTION, decisions.decisions, self._sizes_key())
                 variant = self.variants.get(key)
                 if variant is None:
                     fingerprint = self.replanner.fingerprint if self.replanner is not None else None
@@ -815,7 +825,7 @@ class _Region:
                 return self._current  # no step plan yet (or a one-region step): keep what runs
             # a least-peak plan of the first step, in a step now known to be this region alone
         outside = self.backend.ledger.outside_bytes(position)
-        key = ("outside", outside, self._sizes_key())
+        key = (_PlannedFor.OUTSIDE, outside, self._sizes_key())
         variant = self.variants.get(key) or self._replan(position, outside)
         self.assigned = None  # made for other sizes; the next step's plan re-plans with these
         return variant, outside

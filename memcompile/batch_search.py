@@ -32,7 +32,7 @@ import torch
 from memcompile.backend import Backend
 from memcompile.errors import InfeasibleBudgetError, PlannedOnly
 from memcompile.options import Options, make_options
-from memcompile.plan import Plan, format_bytes
+from memcompile.plan import Plan, StatusKind, format_bytes
 
 log = logging.getLogger("memcompile")
 
@@ -44,7 +44,7 @@ class BatchProbe:
     batch: int
     fits: bool
     need_bytes: int  # the budget this batch needs at least: its plan's peak plus the reserve, or min_feasible_bytes
-    status: str  # the plan's solver status, or "infeasible"
+    status: str  # the plan's solver status, or StatusKind.INFEASIBLE
     seconds: float  # the probe's wall time (trace and plan)
 
 
@@ -98,14 +98,14 @@ def _probe(make_step: Callable[[int, Backend], Callable[[], object]], batch: int
     except PlannedOnly as planned:
         plan = planned.plan
         seconds = time.perf_counter() - began
-        if plan.solver_status.startswith("stock_fallback"):
+        if plan.status_kind is StatusKind.STOCK_FALLBACK:
             raise RuntimeError(f"max_batch: planning batch {batch} failed ({plan.solver_status}); "
                                "no plan to judge it by") from None
         fits = plan.predicted_peak_bytes <= plan.step_budget_bytes
         return BatchProbe(batch, fits, plan.predicted_peak_bytes + plan.reserve_bytes, plan.solver_status,
                           seconds), plan
     except InfeasibleBudgetError as error:
-        return BatchProbe(batch, False, error.min_feasible_bytes, "infeasible", time.perf_counter() - began), error
+        return BatchProbe(batch, False, error.min_feasible_bytes, StatusKind.INFEASIBLE, time.perf_counter() - began), error
     raise RuntimeError(f"max_batch: the step for batch {batch} ran without compiling a graph with the backend "
                        "max_batch passed to make_step (compile the step with torch.compile(..., backend=backend))")
 

@@ -36,12 +36,12 @@ import torch.fx as fx
 
 from memcompile import _torch_private as tp
 from memcompile.node_facts import tensor_nbytes
-from memcompile.plan import Plan
+from memcompile.plan import Choice, Plan
 
 # Choices whose bytes leave the device until the backward; any other choice (keep, and ones
-# this module does not know yet) counts its full size, unless the decision records the device
-# bytes it holds (quantize: the compressed copy; offload: 0): safe when a new choice is added.
-_NOT_HELD = frozenset({"recompute"})
+# added to Choice later) counts its full size, unless the decision records the device bytes it
+# holds (quantize: the compressed copy; offload: 0): safe when a new choice is added.
+_NOT_HELD = frozenset({Choice.RECOMPUTE})
 
 
 @dataclass(frozen=True)

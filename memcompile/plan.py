@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 
@@ -13,6 +14,56 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+class TextEnum(str, enum.Enum):
+    """A closed set of words that are also their own text: `==` with the string, JSON, f-strings
+    and logs all see the value (enum.StrEnum, which Python 3.10 lacks)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Choice(TextEnum):
+    """What happens to one saved activation between its forward and its backward."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"  # computed again in the backward
+    QUANTIZE = "quantize"  # held as a compressed copy on the device
+    OFFLOAD = "offload"  # held as a copy in host memory
+
+
+class StatusKind(TextEnum):
+    """How a plan was found: the head of Plan.solver_status (status_text spells the whole)."""
+
+    FITS = "fits"  # nothing to do: every activation kept fits
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"  # the solver stopped at its time limit
+    FALLBACK = "fallback"  # the greedy plan
+    INFEASIBLE = "infeasible"  # no plan within the budget (a solution's status; a plan never has it)
+    LEAST_PEAK = "least_peak"  # at the smallest budget; detail: how that plan was found (optimal, ...)
+    STOCK_PARTITION = "stock_partition"  # PyTorch's partition; detail: activation_memory_budget=<fraction>
+    STOCK_FALLBACK = "stock_fallback"  # planning failed; detail: the error's type
+
+
+def status_text(kind: StatusKind, detail: str = "") -> str:
+    """Plan.solver_status as plans and their files spell it: "least_peak_optimal",
+    "stock_partition (activation_memory_budget=0.5)", "fits"."""
+    if kind is StatusKind.LEAST_PEAK:
+        return f"{kind}_{detail}"
+    return f"{kind} ({detail})" if detail else str(kind)
+
+
+def read_status(status: str) -> tuple[StatusKind | None, str]:
+    """The kind and detail of a status_text; kind None for a status memcompile does not write."""
+    least_peak = f"{StatusKind.LEAST_PEAK}_"
+    if status.startswith(least_peak):
+        return StatusKind.LEAST_PEAK, status[len(least_peak):]
+    head, _, detail = status.partition(" (")
+    try:
+        return StatusKind(head), detail.removesuffix(")")
+    except ValueError:  # not a kind: a hand-made plan's, or a newer memcompile's
+        return None, ""
+
+
 @dataclass(frozen=True)
 class Decision:
     """What happens to one forward tensor the backward needs."""
@@ -22,7 +73,7 @@ class Decision:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    choice: str  # "keep" | "recompute" | "quantize" | "offload"
+    choice: Choice
     time_cost_s: float  # estimated added step time of this choice
     reason: str  # why the alternatives were not possible, if they were not
     source: str  # the user's line that produced it, when known
@@ -31,7 +82,7 @@ class Decision:
 
     @property
     def label(self) -> str:
-        return f"{self.choice}:{self.format}" if self.format and self.choice == "quantize" else self.choice
+        return f"{self.choice}:{self.format}" if self.format and self.choice == Choice.QUANTIZE else str(self.choice)
 
 
 @dataclass(frozen=True)
@@ -46,8 +97,7 @@ class Plan:
     peak_breakdown: tuple[tuple[str, int], ...]
     decisions: tuple[Decision, ...]
     added_time_s: float
-    # "fits" (nothing to do) | "optimal" | "feasible" | "fallback" (greedy) | "least_peak_*" (at the smallest budget)
-    solver_status: str
+    solver_status: str  # status_text(kind, detail): read back by status_kind (read_status)
     solve_s: float
     gap: float
     live_bytes_before: tuple[int, ...]  # per step, forward then backward
@@ -91,6 +141,10 @@ class Plan:
         return self.added_time_s + self.rewrite_time_s
 
     @property
+    def status_kind(self) -> StatusKind | None:
+        return read_status(self.solver_status)[0]
+
+    @property
     def step_budget_bytes(self) -> int:
         return self.budget_bytes - self.reserve_bytes
 
@@ -109,9 +163,9 @@ class Plan:
         return out
 
     def summary(self) -> str:
-        kept = sum(d.nbytes for d in self.decisions if d.choice == "keep")
-        recomputed = sum(d.nbytes for d in self.decisions if d.choice == "recompute")
-        stored = [(label, t) for label, t in sorted(self.totals().items()) if label not in ("keep", "recompute")]
+        kept = sum(d.nbytes for d in self.decisions if d.choice == Choice.KEEP)
+        recomputed = sum(d.nbytes for d in self.decisions if d.choice == Choice.RECOMPUTE)
+        stored = [(label, t) for label, t in sorted(self.totals().items()) if label not in (Choice.KEEP, Choice.RECOMPUTE)]
         lines = [
             f"memcompile plan for {self.graph_id}: budget {format_bytes(self.budget_bytes)}"
             + (f" (reserve {format_bytes(self.reserve_bytes)})" if self.reserve_bytes else ""),
@@ -135,26 +189,27 @@ class Plan:
 
 def status_words(status: str, gap: float) -> str:
     """A plan's solver status in plain words (Plan.solver_status and Plan.gap)."""
-    if status == "fits":
+    kind, detail = read_status(status)
+    if kind is StatusKind.FITS:
         return "fits with every activation kept: nothing to recompute"
-    if status == "optimal":
+    if kind is StatusKind.OPTIMAL:
         return "the least added time within the budget (proven optimal)"
-    if status == "feasible":
+    if kind is StatusKind.FEASIBLE:
         if not 0 <= gap <= 1:
             return "within the budget; the solver stopped at its time limit before bounding how good its plan is"
         return (f"within the budget; the solver stopped at its time limit: a better plan could save at most "
                 f"{gap:.0%} of the time this one adds")
-    if status == "fallback":
+    if kind is StatusKind.FALLBACK:
         return "within the budget by the greedy plan (the solver found nothing better in its time)"
-    if status.startswith("least_peak"):
+    if kind is StatusKind.LEAST_PEAK:
         return ("the least memory memcompile could plan: the budget is at or near the smallest that works, "
                 "so the plan minimises memory and does not weigh time")
-    if status.startswith("stock_partition"):
-        fraction = status[status.find("=") + 1:].rstrip(")") if "=" in status else "?"
+    if kind is StatusKind.STOCK_PARTITION:
+        fraction = detail[detail.find("=") + 1:] if "=" in detail else "?"
         return (f"PyTorch's own partition (activation_memory_budget={fraction}) fits, so it runs as is: "
                 "it was measured faster than memcompile's plans at equal memory")
-    if status.startswith("stock_fallback"):
-        return f"planning failed ({status[len('stock_fallback'):].strip(' ()')}): PyTorch's default partition runs " \
+    if kind is StatusKind.STOCK_FALLBACK:
+        return f"planning failed ({detail}): PyTorch's default partition runs " \
                "and the budget is NOT enforced"
     return status
 

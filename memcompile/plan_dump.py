@@ -19,7 +19,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from memcompile.plan import Decision, Plan, format_bytes, status_words
+from memcompile.plan import Choice, Decision, Plan, StatusKind, format_bytes, status_words
 
 log = logging.getLogger("memcompile")
 
@@ -142,7 +142,7 @@ def reserve_parts(plan: Plan) -> str:
 
 # Statuses of plans that minimise added time: their gap (to the solver's bound) means something.
 # A least-peak plan minimises memory, so its time gap (100% against a bound of 0) says nothing.
-_TIMED_STATUSES = ("optimal", "feasible", "fallback")
+_TIMED_STATUSES = (StatusKind.OPTIMAL, StatusKind.FEASIBLE, StatusKind.FALLBACK)
 
 
 def plan_text(plan: Plan) -> str:
@@ -158,7 +158,7 @@ def plan_text(plan: Plan) -> str:
         f"{format_change(plan.predicted_peak_before_bytes, plan.predicted_peak_bytes)}"
         f" at {plan.peak_phase} node {plan.peak_node}",
         f"  solver           {plan.solver_status} in {plan.solve_s:.2f} s"
-        + (f", gap {plan.gap:.1%}" if plan.solver_status in _TIMED_STATUSES else "")
+        + (f", gap {plan.gap:.1%}" if plan.status_kind in _TIMED_STATUSES else "")
         + (f"; checks {plan.check_s:.2f} s" if plan.check_s else "")
         + ("; read from the plan store (an earlier launch planned this graph)" if plan.from_plan_store else "")
         + (", compiled under Inductor's own rules" if plan.stock_inductor_rules else ""),
@@ -271,7 +271,7 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
     _exact_keys(data, Decision.__dataclass_fields__, "decision")
     return Decision(
         name=str(data["name"]), op=str(data["op"]), shape=tuple(int(s) for s in data["shape"]),
-        dtype=str(data["dtype"]), nbytes=int(data["nbytes"]), choice=str(data["choice"]),
+        dtype=str(data["dtype"]), nbytes=int(data["nbytes"]), choice=Choice(data["choice"]),
         time_cost_s=float(data["time_cost_s"]), reason=str(data["reason"]), source=str(data["source"]),
         format=str(data["format"]), held_bytes=int(data["held_bytes"]),
     )

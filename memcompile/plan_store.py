@@ -44,26 +44,35 @@ import torch
 import torch.fx as fx
 
 from memcompile.cost_models.cpu_workspace import onednn_max_cpu_isa_settings
-from memcompile.plan import Plan
+from memcompile.plan import Plan, TextEnum
 
 log = logging.getLogger("memcompile")
 
 FORMAT = 1  # bump when StoredOutcome changes shape
 
 
+class Outcome(TextEnum):
+    """What one planning of a joint graph ended with (StoredOutcome.kind)."""
+
+    PLAN = "plan"
+    INFEASIBLE = "infeasible"  # InfeasibleBudgetError
+    NO_FIT = "no_fit"  # NoSolverPlanFits
+    COMPILED = "compiled"  # kept beside AOTAutograd's cache entry for the compiled graphs
+
+
 @dataclass(frozen=True)
 class StoredOutcome:
     """What one planning of a joint graph ended with."""
 
-    kind: str  # "plan" | "infeasible" | "no_fit" | "compiled" (beside AOTAutograd's cache entry)
-    plan: Plan | None = None  # kind "plan": the plan as first made
-    solution: Any = None  # kind "plan": ActivationSolution | StockSolution (decisions by candidate index)
+    kind: Outcome
+    plan: Plan | None = None  # kind PLAN: the plan as first made
+    solution: Any = None  # kind PLAN: ActivationSolution | StockSolution (decisions by candidate index)
     candidate_names: tuple[str, ...] = ()  # the problem's candidates the indices refer to (checked on a hit)
-    error_message: str = ""  # kind "infeasible"
-    min_feasible_bytes: int = 0  # "infeasible": the floor named; "no_fit": NoSolverPlanFits.floor_at_least
+    error_message: str = ""  # kind INFEASIBLE
+    min_feasible_bytes: int = 0  # INFEASIBLE: the floor named; NO_FIT: NoSolverPlanFits.floor_at_least
     contributors: tuple[tuple[str, int], ...] = ()
-    whole_step: bool = True  # kind "infeasible": InfeasibleBudgetError.whole_step
-    inputs: Any = None  # kind "compiled": the joint graph's InputBytes (memcompile/ledger.py)
+    whole_step: bool = True  # kind INFEASIBLE: InfeasibleBudgetError.whole_step
+    inputs: Any = None  # kind COMPILED: the joint graph's InputBytes (memcompile/ledger.py)
 
 
 def default_directory() -> str:

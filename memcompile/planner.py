@@ -42,7 +42,7 @@ from memcompile.passes.liveness import (LivenessTimeline, analyze_liveness, anal
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
 from memcompile.passes.stored_forms import StoreOptions
-from memcompile.plan import Decision, Plan, format_bytes
+from memcompile.plan import Choice, Decision, Plan, StatusKind, format_bytes, status_text
 from memcompile import plan_store
 from memcompile import check_memo
 from memcompile.plan_cache import solve_cached, source_hash
@@ -226,9 +226,9 @@ def _decisions(analysis: JointAnalysis, solution: ActivationSolution) -> tuple[D
             choice = problem.choices_of(i)[stored[i]]
             kind, fmt, held, cost = choice.kind, choice.format, choice.stored_bytes, choice.time_cost_s
         elif recomputed:
-            kind, fmt, held, cost = "recompute", "", 0, problem.recompute_cost_s[i]
+            kind, fmt, held, cost = Choice.RECOMPUTE, "", 0, problem.recompute_cost_s[i]
         else:
-            kind, fmt, held, cost = "keep", "", problem.nbytes[i], 0.0
+            kind, fmt, held, cost = Choice.KEEP, "", problem.nbytes[i], 0.0
         trace = node.meta.get("stack_trace") or ""
         rows.append(Decision(
             name=node.name,
@@ -282,7 +282,7 @@ def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fw
     keep_all = close_decisions(problem, prefer_recompute=set())
     model_peak, _ = evaluate(problem, *keep_all)
     baseline = _rewrite_and_check(
-        joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, "fits", 0.0, 0.0), num_fwd_outputs,
+        joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, StatusKind.FITS, 0.0, 0.0), num_fwd_outputs,
         fuse=fuse, rounding=options.allocator_rounding,
     )
     stock = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
@@ -358,13 +358,13 @@ def _plan_joint_graph(
     except InfeasibleBudgetError as error:
         if key is not None:
             plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome(
-                "infeasible", error_message=str(error), min_feasible_bytes=error.min_feasible_bytes,
+                plan_store.Outcome.INFEASIBLE, error_message=str(error), min_feasible_bytes=error.min_feasible_bytes,
                 contributors=tuple(error.contributors)))
         raise
     except NoSolverPlanFits as no_fit:
         if key is not None:
             plan_store.save(options.plan_store_dir, key,
-                            plan_store.StoredOutcome("no_fit", min_feasible_bytes=no_fit.floor_at_least))
+                            plan_store.StoredOutcome(plan_store.Outcome.NO_FIT, min_feasible_bytes=no_fit.floor_at_least))
         raise
     if key is not None and asked.deferred is not None:
         # stored once the compile's schedule has checked it (confirm_on_compile)
@@ -376,8 +376,8 @@ def _plan_joint_graph(
             made = replanner.made if isinstance(replanner, DeferredReplanner) else replanner
             names = tuple(made.analysis.problem.names) if made is not None else ()
         if isinstance(solution, StockSolution) or names:
-            plan_store.save(options.plan_store_dir, key,
-                            plan_store.StoredOutcome("plan", plan=plan, solution=solution, candidate_names=names))
+            plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome(
+                plan_store.Outcome.PLAN, plan=plan, solution=solution, candidate_names=names))
     return fw, bw, plan
 
 
@@ -392,10 +392,10 @@ def _replay(stored: "plan_store.StoredOutcome", joint, joint_inputs, num_fwd_out
 
     if request is not None:
         request.replanner = DeferredReplanner(replanner)
-    if stored.kind == "infeasible":
+    if stored.kind == plan_store.Outcome.INFEASIBLE:
         raise InfeasibleBudgetError(stored.error_message, budget_bytes=options.budget_bytes,
                                     min_feasible_bytes=stored.min_feasible_bytes, contributors=stored.contributors)
-    if stored.kind == "no_fit":
+    if stored.kind == plan_store.Outcome.NO_FIT:
         raise NoSolverPlanFits(options.step_budget_bytes, stored.min_feasible_bytes)
     solution = stored.solution
     if isinstance(solution, StockSolution):
@@ -618,7 +618,7 @@ class StockSolution:
 
     @property
     def status(self) -> str:
-        return f"stock_partition (activation_memory_budget={self.fraction})"
+        return status_text(StatusKind.STOCK_PARTITION, f"activation_memory_budget={self.fraction}")
 
 
 def knapsack_scratch_bytes(fraction: float) -> int:
@@ -788,7 +788,7 @@ def _stock_decisions(forward: fx.GraphModule, fraction: float, num_fwd_outputs: 
         rows.append(Decision(
             name=node.name, op=str(getattr(node.target, "__name__", node.target)),
             shape=tuple(size_value(d) for d in val.shape), dtype=str(val.dtype).replace("torch.", ""),
-            nbytes=tensor_nbytes(val), choice="keep", time_cost_s=0.0,
+            nbytes=tensor_nbytes(val), choice=Choice.KEEP, time_cost_s=0.0,
             reason=f"saved by PyTorch's partition (activation_memory_budget={fraction})",
             source=_user_line(node.meta.get("stack_trace") or ""), held_bytes=held,
         ))
@@ -897,8 +897,8 @@ def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> 
         return None
     if deferred.store is not None:
         folder, key, planned, solution = deferred.store
-        plan_store.save(folder, key, plan_store.StoredOutcome("plan", plan=_with_timeline(planned, timeline),
-                                                              solution=solution))
+        plan_store.save(folder, key, plan_store.StoredOutcome(
+            plan_store.Outcome.PLAN, plan=_with_timeline(planned, timeline), solution=solution))
     return _with_timeline(plan, timeline)
 
 
@@ -1050,7 +1050,7 @@ class Replanner:
             remaining = max(1.0, time_limit_s - solve_s)
             solution = _solve_or_greedy(problem, target, remaining, self.options)
             solve_s += solution.solve_s
-            if solution.status == "infeasible":
+            if solution.status == StatusKind.INFEASIBLE:
                 break
             attempt = _rewrite_and_check(self.joint, self.analysis, solution, self.num_fwd_outputs,
                                          _checks_schedule(self.options), self.options.allocator_rounding)
@@ -1105,7 +1105,7 @@ class Replanner:
                 decisions = close_decisions(problem, set(held.recompute) | {i}, dict(held.stored))
                 peak_bytes, added = evaluate(problem, *decisions)
                 other = _rewrite_and_check(self.joint, self.analysis,
-                                           ActivationSolution(*decisions, peak_bytes, added, "feasible", 0.0, 0.0),
+                                           ActivationSolution(*decisions, peak_bytes, added, StatusKind.FEASIBLE, 0.0, 0.0),
                                            self.num_fwd_outputs, _checks_schedule(self.options),
                                            self.options.allocator_rounding)
                 log.debug("repair: recompute %s: graph peak %d", problem.names[i], other.timeline.peak_bytes)
@@ -1190,7 +1190,8 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
         log.warning("memcompile: the solver failed (%s: %s); using the greedy plan", type(error).__name__, error)
         plan = greedy_plan(problem, target)
         peak, added = evaluate(problem, *plan)
-        return ActivationSolution(*plan, peak, added, "fallback" if peak <= target else "infeasible", 0.0, 0.0)
+        status = StatusKind.FALLBACK if peak <= target else StatusKind.INFEASIBLE
+        return ActivationSolution(*plan, peak, added, status, 0.0, 0.0)
 
 
 def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _Attempt,
@@ -1415,7 +1416,7 @@ def _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_
         predicted_peak_before_bytes=peak,
         predicted_peak_bytes=peak, peak_phase=phase, peak_node=node,
         peak_breakdown=breakdown, decisions=(), added_time_s=0.0,
-        solver_status=f"stock_fallback ({type(error).__name__})", solve_s=0.0, gap=0.0,
+        solver_status=status_text(StatusKind.STOCK_FALLBACK, type(error).__name__), solve_s=0.0, gap=0.0,
         live_bytes_before=steps, live_bytes_after=steps,
         eager_at_backward_start_bytes=options.boundary_bytes, eager_outside_bytes=options.eager_outside_bytes,
         eager_where=options.eager_where,

@@ -30,6 +30,7 @@ from memcompile.passes.graph_facts import (
 )
 from memcompile.passes.liveness import op_scratch_bytes
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for
+from memcompile.plan import Choice
 from memcompile.solver.activations import ActivationProblem, StoreChoice
 from memcompile.errors import UNREADABLE_GRAPH_ERRORS
 
@@ -129,7 +130,7 @@ def _with_transfer_window(choice: StoreChoice, created: int, forward_end: int, f
     the reload is issued early enough that the backward compute before its first reader covers
     it (prefetch steps). Each copy is timed alone: copies queued behind others finish later
     than this, which costs time (the link term), not memory."""
-    if choice.kind != "offload":
+    if choice.kind != Choice.OFFLOAD:
         return choice
     release, overlapped = created, 0.0
     last_forward = len(forward_nodes) - 1

@@ -17,6 +17,7 @@ from memcompile.passes.activation_analysis import JointAnalysis, compute_unit
 from memcompile.passes.stored_forms import (
     build_load, build_offload, build_reload, build_store, issue_reloads_early, pin_reload_order,
 )
+from memcompile.plan import Choice
 from memcompile.solver.activations import NOTHING_STORED, Stored, placement, reload_step
 
 
@@ -107,7 +108,7 @@ def _insert_stored_forms(joint, analysis: JointAnalysis, recompute: frozenset[in
     for i, k in sorted(stored):
         x = candidates[i]
         choice = problem.choices_of(i)[k]
-        if choice.kind == "offload":
+        if choice.kind == Choice.OFFLOAD:
             # The copy starts right after the producer; x stays on the device until the copy's
             # wait, after its last forward reader or the solver's release step if later.
             last_reader = max((u for u in x.users if u in forward_set), key=fw_position.__getitem__, default=x)

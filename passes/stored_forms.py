@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.node_facts import is_aliasing_op, is_getitem, is_pointwise
+from memcompile.plan import Choice
 from memcompile.solver.activations import StoreChoice
 from memcompile.transfer_ops import COPY_TO_DEVICE, COPY_TO_HOST, WAIT_COPY
 
@@ -188,14 +189,14 @@ def store_choices_for(
         # it and writes x: ~4 kernels, each memory-bound.
         moved = 3 * nbytes + 2 * held + nbytes
         store_scratch, load_scratch = conversion_scratch_bytes(val, fmt)
-        choices.append(StoreChoice("quantize", fmt, held, moved / profile.memory_bytes_per_s + 4 * profile.op_overhead_s,
+        choices.append(StoreChoice(Choice.QUANTIZE, fmt, held, moved / profile.memory_bytes_per_s + 4 * profile.op_overhead_s,
                                    store_transient_bytes=store_scratch, load_transient_bytes=load_scratch))
     if options.offload:
         link = options.host_link_bytes_per_s or profile.host_link_bytes_per_s or profile.memory_bytes_per_s
         # Asynchronous copies (passes/partition.py): each direction costs two op launches; the
         # transfer itself is paid only where it outlasts the compute it overlaps (the solver's
         # link term), and the analysis sets how long the copies stay in flight.
-        choices.append(StoreChoice("offload", "host", 0, 4 * profile.op_overhead_s, link_s=nbytes / link))
+        choices.append(StoreChoice(Choice.OFFLOAD, "host", 0, 4 * profile.op_overhead_s, link_s=nbytes / link))
     return tuple(choices), "; ".join(reasons)
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from memcompile.plan import Choice, StatusKind, status_text
 from memcompile.solver.cpsat import run_model
 
 # Recompute costs enter CP-SAT as integers in units of 10 ns; each recompute also costs one unit
@@ -45,7 +46,7 @@ _TIME_UNIT_S = 1e-8
 class StoreChoice:
     """Holding a candidate until backward in another form than itself."""
 
-    kind: str  # "quantize" (compressed copy on the device) | "offload" (copy in host memory)
+    kind: Choice  # QUANTIZE (compressed copy on the device) | OFFLOAD (copy in host memory)
     format: str  # quantize: "int8" | "fp8" | "bf16"; offload: "host"
     stored_bytes: int  # device bytes while stored: the compressed copy and its scales; 0 for offload
     time_cost_s: float  # added step time of this choice for this tensor alone (kernels, exposed transfer)
@@ -194,7 +195,7 @@ def with_fixed_bytes_at(problem: ActivationProblem, step: int, nbytes: int) -> A
 
 
 def is_lossy(choice: StoreChoice) -> bool:
-    return choice.kind == "quantize"
+    return choice.kind == Choice.QUANTIZE
 
 
 def lossy_values(problem: ActivationProblem, recompute: frozenset[int], stored: Stored) -> set[int]:
@@ -214,7 +215,7 @@ class ActivationSolution:
     stored: Stored
     model_peak_bytes: int  # peak under the model with the tightest placement
     added_time_s: float
-    status: str  # "fits" | "optimal" | "feasible" | "fallback" | "infeasible"
+    status: str  # memcompile.plan.status_text: FITS, OPTIMAL, FEASIBLE, FALLBACK, INFEASIBLE or LEAST_PEAK
     lower_bound_s: float
     solve_s: float
 
@@ -289,7 +290,7 @@ def step_loads(
         choice = problem.choices_of(i)[k]
         add(problem.nbytes[i], _hold_slot(problem, i, scale), problem.keep_from[i] * scale - 1)  # forward buffer
         materialised = start[i] * scale + i
-        if choice.kind == "quantize":
+        if choice.kind == Choice.QUANTIZE:
             created = problem.created_at[i] * scale + scale - 1
             add(choice.stored_bytes, created, materialised)
             add(choice.store_transient_bytes, created, created)
@@ -418,14 +419,14 @@ def exact_needed(problem: ActivationProblem, recompute: set[int] | frozenset[int
 def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[int], end: list[int]) -> int:
     """Bytes that changing kept candidate i to `move` frees at step t (0 if it frees none there)."""
     kind, k = move
-    if kind == "recompute" and problem.forward_from(i) <= t < problem.keep_from[i]:
+    if kind == Choice.RECOMPUTE and problem.forward_from(i) <= t < problem.keep_from[i]:
         return problem.nbytes[i]  # its forward buffer, which only saving it makes
     if not problem.keep_from[i] <= t <= end[i]:
         return 0
-    if kind == "recompute":
+    if kind == Choice.RECOMPUTE:
         return problem.nbytes[i] if t < start[i] or problem.fused(i) else 0
     choice = problem.choices_of(i)[k]
-    if choice.kind == "quantize":
+    if choice.kind == Choice.QUANTIZE:
         return problem.nbytes[i] - choice.stored_bytes if t < start[i] else 0
     return problem.nbytes[i] if choice.release_step < t < reload_step(problem, i, choice, start[i]) else 0
 
@@ -462,17 +463,17 @@ def greedy_plan(
             options = [("store", k) for k, choice in enumerate(problem.choices_of(i))
                        if not (is_lossy(choice) and (i in exact or problem.exact_required(i)))]
             if problem.can_recompute[i] and not store_only:
-                options.append(("recompute", -1))
+                options.append((Choice.RECOMPUTE, -1))
             for move in options:
                 freed = _bytes_freed_at(problem, i, move, t, start, end)
-                cost = (sum(problem.recompute_cost_s[j] for j in problem.op_group(i)) if move[0] == "recompute"
+                cost = (sum(problem.recompute_cost_s[j] for j in problem.op_group(i)) if move[0] == Choice.RECOMPUTE
                         else problem.choices_of(i)[move[1]].time_cost_s + problem.choices_of(i)[move[1]].link_s)
                 if freed > 0:
                     moves.append((freed / (cost + 1e-9) if per_second else freed, -i, move, i))
         if not moves:
             break
         _, _, move, pick = max(moves)
-        if move[0] == "recompute":
+        if move[0] == Choice.RECOMPUTE:
             prefer.add(pick)
             prefer_store.pop(pick, None)
         else:
@@ -587,7 +588,7 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
             # Recomputed or dequantized: the full tensor from its materialisation slot on.
             # (A fused recomputation is no buffer: only a dequantized copy is.)
             materialised = ([] if problem.fused(i) else [recompute[i]]) + [
-                store[i][k] for k, ch in enumerate(problem.choices_of(i)) if ch.kind == "quantize"]
+                store[i][k] for k, ch in enumerate(problem.choices_of(i)) if ch.kind == Choice.QUANTIZE]
             present = materialised[0] if materialised else None
             if len(materialised) > 1:
                 present = model.new_bool_var(f"materialised_{i}")
@@ -603,7 +604,7 @@ def _build_model(problem: ActivationProblem, budget_bytes: int | None) -> _Model
                 intervals.append(model.new_optional_fixed_size_interval_var(
                     forward_slot, problem.keep_from[i] * scale - forward_slot, store[i][k], f"forward_iv_{i}_{k}"))
                 demands.append(problem.nbytes[i])
-            if choice.kind == "quantize":
+            if choice.kind == Choice.QUANTIZE:
                 first_slot = problem.created_at[i] * scale + scale - 1
                 size = model.new_int_var(0, size_cap, f"held_size_{i}_{k}")
                 intervals.append(model.new_optional_interval_var(first_slot, size, start[i] * scale + i + 1,
@@ -716,15 +717,15 @@ def _add_hint(problem: ActivationProblem, built: _Model, hint) -> None:
 def solve_activation_plan(
     problem: ActivationProblem, budget_bytes: int, *, time_limit_s: float = 10.0, workers: int = 2, seed: int = 0,
 ) -> ActivationSolution:
-    """Least added time with modelled peak <= budget; status "infeasible" when none exists."""
+    """Least added time with modelled peak <= budget; status INFEASIBLE when none exists."""
     began = time.perf_counter()
     if problem.fixed_bytes and max(problem.fixed_bytes) > budget_bytes:
         return ActivationSolution(frozenset(), frozenset(), NOTHING_STORED, max(problem.fixed_bytes), 0.0,
-                                  "infeasible", 0.0, 0.0)
+                                  StatusKind.INFEASIBLE, 0.0, 0.0)
     greedy = greedy_plan(problem, budget_bytes)
     greedy_peak, greedy_added = evaluate(problem, *greedy)
     best = greedy if greedy_peak <= budget_bytes else None
-    best_status, lower_s = "fallback", 0.0
+    best_status, lower_s = StatusKind.FALLBACK, 0.0
     target = budget_bytes
     # CP-SAT may spread a recompute chain over earlier steps, which `evaluate` (the rewrite's
     # placement) does not: accept its answer only when `evaluate` agrees, else ask for less.
@@ -735,7 +736,7 @@ def solve_activation_plan(
         outcome = run_model(built.model, time_limit_s=remaining, workers=workers, seed=seed)
         if not outcome.has_solution:
             if outcome.status == "infeasible" and target == budget_bytes and best is None:
-                return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0,
+                return ActivationSolution(*greedy, greedy_peak, greedy_added, StatusKind.INFEASIBLE, 0.0,
                                           time.perf_counter() - began)
             break
         chosen = _decisions_from(outcome, built)
@@ -746,12 +747,12 @@ def solve_activation_plan(
             # The plan kept is no slower than CP-SAT's, so its proof covers it too (a greedy
             # plan that ties CP-SAT's optimum within the 10 ns time unit was called "fallback").
             proven = outcome.status == "optimal" and target == budget_bytes
-            best_status = "optimal" if proven else "feasible"
+            best_status = StatusKind.OPTIMAL if proven else StatusKind.FEASIBLE
             lower_s = added if proven else max(0.0, outcome.lower_bound) * _TIME_UNIT_S
             break
         target -= peak - budget_bytes
     if best is None:
-        return ActivationSolution(*greedy, greedy_peak, greedy_added, "infeasible", 0.0, time.perf_counter() - began)
+        return ActivationSolution(*greedy, greedy_peak, greedy_added, StatusKind.INFEASIBLE, 0.0, time.perf_counter() - began)
     peak, added = evaluate(problem, *best)
     return ActivationSolution(*best, peak, added, best_status, min(lower_s, added), time.perf_counter() - began)
 
@@ -771,5 +772,6 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     best = min(options, key=lambda d: evaluate(problem, *d))
     peak, added = evaluate(problem, *best)
     # The status speaks of the peak, not of time: this plan minimises memory, then stops.
-    status = f"least_peak_{outcome.status if outcome.has_solution and best is options[-1] else 'fallback'}"
+    status = status_text(StatusKind.LEAST_PEAK,
+                         outcome.status if outcome.has_solution and best is options[-1] else StatusKind.FALLBACK)
     return ActivationSolution(*best, peak, added, status, 0.0, time.perf_counter() - began)
