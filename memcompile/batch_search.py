@@ -105,7 +105,8 @@ def _probe(make_step: Callable[[int, Backend], Callable[[], object]], batch: int
         return BatchProbe(batch, fits, plan.predicted_peak_bytes + plan.reserve_bytes, plan.solver_status,
                           seconds), plan
     except InfeasibleBudgetError as error:
-        return BatchProbe(batch, False, error.min_feasible_bytes, StatusKind.INFEASIBLE, time.perf_counter() - began), error
+        seconds = time.perf_counter() - began
+        return BatchProbe(batch, False, error.min_feasible_bytes, StatusKind.INFEASIBLE, seconds), error
     raise RuntimeError(f"max_batch: the step for batch {batch} ran without compiling a graph with the backend "
                        "max_batch passed to make_step (compile the step with torch.compile(..., backend=backend))")
 
