@@ -12,7 +12,6 @@ import contextvars
 import copy
 import dataclasses
 import functools
-import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -164,7 +163,6 @@ PLANNED_GRAPH = "memcompile_planned"
 # against 32x the bytes the fusion saves reading. Buffers smaller than this are left to Inductor:
 # they do not move a peak, and the fusion saves a launch.
 LIFETIME_FUSION_MIN_BYTES = 64 * 1024
-LIFETIME_FUSION = os.environ.get("MEMCOMPILE_LIFETIME_FUSION", "1") != "0"  # 0: off, for comparisons
 
 
 # Inductor's wrapper keeps a dead buffer allocated until a later allocation of the same size and
@@ -176,19 +174,50 @@ LIFETIME_FUSION = os.environ.get("MEMCOMPILE_LIFETIME_FUSION", "1") != "0"  # 0:
 # other is freed when it dies and the later one allocated anew, so no kernel runs with more
 # memory held than it needs. Smallest budgets with it: GPT-2 small 9.09 -> 8.45 MiB, Llama small
 # 8.50 -> 8.41, ViT small 6.51 -> 6.38 (BERT, ResNet unchanged).
-ADJACENT_REUSE_ONLY = os.environ.get("MEMCOMPILE_ADJACENT_REUSE", "1") != "0"  # 0: off, for comparisons
+
+
+@dataclasses.dataclass(frozen=True)
+class InductorRules:
+    """memcompile's rules for Inductor in the graphs it planned (each can be turned off for
+    comparisons: Options.experiments), and whether a graph is lowered as one it planned:
+    `planned=False` models a graph compiled under Inductor's own rules (PyTorch's partition as
+    plain Inductor compiles it), which no rule touches."""
+
+    lifetime_fusion: bool = True  # no horizontal fusion that holds a large dead buffer (above)
+    adjacent_reuse: bool = True  # a freed buffer is reused only by the next kernel's allocation (above)
+    planned: bool = True
+
+    @property
+    def adjacent_reuse_applies(self) -> bool:
+        """Whether the wrapper's buffer reuse follows the adjacent rule (what the liveness models)."""
+        return self.planned and self.adjacent_reuse
+
+    def as_stock(self) -> "InductorRules":
+        return dataclasses.replace(self, planned=False)
+
+    def text(self) -> str:
+        """For keys: these rules and the constants the rules read."""
+        return (f"adjacent_reuse={self.adjacent_reuse} lifetime_fusion={self.lifetime_fusion} planned={self.planned} "
+                f"recompute_fusion_distance={RECOMPUTE_FUSION_DISTANCE} recompute_vertical_gap={RECOMPUTE_VERTICAL_GAP}")
+
+
+PLANNED_RULES = InductorRules()  # the product's rules
+# The rules of the innermost inductor_rules() scope, read by the methods it installs.
+_ACTIVE_RULES: contextvars.ContextVar[InductorRules] = contextvars.ContextVar(
+    "memcompile_inductor_rules", default=PLANNED_RULES)
 
 
 def _install_reuse_rule() -> Callable[[], None]:
     """In graphs memcompile planned (PLANNED_GRAPH), a freed buffer is reused only by the next
-    kernel's allocation (see ADJACENT_REUSE_ONLY); other graphs reuse as before. Returns what
-    restores Inductor's own."""
+    kernel's allocation (InductorRules.adjacent_reuse); other graphs reuse as before. Returns
+    what restores Inductor's own."""
     from torch._inductor.codegen.wrapper import AllocateLine
 
     original = AllocateLine.__dict__["should_reuse_buffer"]
 
     def should_reuse_buffer(self, free_line, size):
-        if ADJACENT_REUSE_ONLY and not getattr(self, "comm_buffer", False) and _planned_graph_now():
+        if (_ACTIVE_RULES.get().adjacent_reuse and not getattr(self, "comm_buffer", False)
+                and _planned_graph_now()):
             return free_line.scheduler_node_index + 1 == self.scheduler_node_index
         return original(self, free_line, size)
 
@@ -259,19 +288,21 @@ _RULES_RESTORE: list[Callable[[], None]] = []
 
 
 @contextlib.contextmanager
-def inductor_rules():
-    """memcompile's fusion and buffer-reuse rules on Inductor's classes while memcompile lowers
-    or compiles a graph (_install_fusion_rules, _install_reuse_rule); Inductor's own are back
-    when the outermost scope ends. Inside a scope, graphs memcompile did not plan still fuse and
-    reuse as stock Inductor does (the rules read the planned-graph and recomputed marks)."""
+def inductor_rules(rules: InductorRules):
+    """memcompile's fusion and buffer-reuse rules (`rules`) on Inductor's classes while memcompile
+    lowers or compiles a graph (_install_fusion_rules, _install_reuse_rule); Inductor's own are
+    back when the outermost scope ends. Inside a scope, graphs memcompile did not plan still fuse
+    and reuse as stock Inductor does (the rules read the planned-graph and recomputed marks)."""
     global _RULES_DEPTH
     with _RULES_LOCK:
         if _RULES_DEPTH == 0:
             _RULES_RESTORE[:] = [_install_fusion_rules(), _install_reuse_rule(), _install_schedule_capture()]
         _RULES_DEPTH += 1
+    token = _ACTIVE_RULES.set(rules)
     try:
         yield
     finally:
+        _ACTIVE_RULES.reset(token)
         with _RULES_LOCK:
             _RULES_DEPTH -= 1
             if _RULES_DEPTH == 0:
@@ -280,38 +311,14 @@ def inductor_rules():
                 _RULES_RESTORE.clear()
 
 
-# While set (stock_inductor_rules), the schedule check models a graph as stock Inductor compiles
-# it: not marked planned, so neither the reuse rule nor the lifetime fusion rule applies.
-_CHECK_STOCK_RULES = False
-
-
-@contextlib.contextmanager
-def stock_inductor_rules():
-    """Predict (inductor_schedule, the liveness's reuse model) for a graph compiled under
-    Inductor's own reuse and fusion rules, as an unmarked graph is."""
-    global ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES
-    saved = ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES
-    ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES = False, True
-    try:
-        yield
-    finally:
-        ADJACENT_REUSE_ONLY, _CHECK_STOCK_RULES = saved
-
-
-def check_switches() -> tuple[tuple[str, object], ...]:
-    """The switches of this module that change what the schedule check predicts."""
-    return (("ADJACENT_REUSE_ONLY", ADJACENT_REUSE_ONLY), ("LIFETIME_FUSION", LIFETIME_FUSION),
-            ("CHECK_STOCK_RULES", _CHECK_STOCK_RULES), ("RECOMPUTE_FUSION_DISTANCE", RECOMPUTE_FUSION_DISTANCE),
-            ("RECOMPUTE_VERTICAL_GAP", RECOMPUTE_VERTICAL_GAP))
-
-
-def mark_planned(*graphs: fx.GraphModule) -> None:
-    """Mark graphs as planned by memcompile (see PLANNED_GRAPH). The mark names the rules'
-    version: GraphModule.meta is part of the key of Inductor's FX graph cache, so code compiled
-    under one version of the rules (or under Inductor's own) is never reused under another."""
+def mark_planned(rules: InductorRules, *graphs: fx.GraphModule) -> None:
+    """Mark graphs as planned by memcompile (see PLANNED_GRAPH), to be compiled under `rules`.
+    The mark names the rules' version: GraphModule.meta is part of the key of Inductor's FX graph
+    cache, so code compiled under one version of the rules (or under Inductor's own) is never
+    reused under another."""
     from memcompile.plan_cache import source_hash
 
-    tag = f"memcompile {source_hash()} adjacent_reuse={ADJACENT_REUSE_ONLY} lifetime_fusion={LIFETIME_FUSION}"
+    tag = f"memcompile {source_hash()} {rules.text()}"
     for gm in graphs:
         gm.meta[PLANNED_GRAPH] = tag
 
@@ -385,7 +392,8 @@ def _install_fusion_rules() -> Callable[[], None]:
         span = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
         if far_and_recomputed(node1, node2, span, RECOMPUTE_FUSION_DISTANCE):
             return False
-        if LIFETIME_FUSION and _planned_graph_now() and _fusion_extends_a_lifetime(scheduler, node1, node2):
+        if (_ACTIVE_RULES.get().lifetime_fusion and _planned_graph_now()
+                and _fusion_extends_a_lifetime(scheduler, node1, node2)):
             return False
         return original(scheduler, node1, node2, shared_data_score)
 
@@ -492,6 +500,7 @@ def compile_with_inductor(
     gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: _CustomPartitionerFn,
     on_inference: Callable[[fx.GraphModule], None] | None = None,
     schedules: list[CompiledSchedule] | None = None, autograd_cache: bool = False,
+    rules: InductorRules = PLANNED_RULES,
 ) -> Callable:
     """Stock Inductor (pre/post-grad passes, codegen) with our partitioner plugged in;
     `on_inference` sees an inference graph (AOTAutograd's, before codegen), which no
@@ -516,7 +525,7 @@ def compile_with_inductor(
     # the backward lowers with the forward (aot_settings): both inside the rules' scope
     token = _CAPTURE.set((expected, schedules) if schedules is not None else None)
     try:
-        with aot_settings(autograd_cache), inductor_rules():
+        with aot_settings(autograd_cache), inductor_rules(rules):
             return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
                                config_patches={"custom_partitioner_fn": partitioner})
     finally:
@@ -816,10 +825,10 @@ def _one_access_in_kernel(name: str, donor, members_of_kernel: set[int]) -> bool
     return True
 
 
-def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
+def inductor_schedule(gm: fx.GraphModule, is_backward: bool, rules: InductorRules = PLANNED_RULES):
     """Inductor's kernels for `gm` (a graph after its post-grad passes, see inductor_post_grad_copy)
     in the order its wrapper runs them, as plain data (memcompile.passes.inductor_schedule):
-    lowering and scheduling (fusion, reordering for peak memory), no code generation."""
+    lowering and scheduling (fusion, reordering for peak memory) under `rules`, no code generation."""
     from torch._guards import detect_fake_mode
     from torch._inductor.debug import DebugContext
     from torch._inductor.graph import GraphLowering
@@ -827,8 +836,8 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
 
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example)
-    if not _CHECK_STOCK_RULES:
-        mark_planned(gm)  # and applying to this graph
+    if rules.planned:
+        mark_planned(rules, gm)  # and applying to this graph
     graph = GraphLowering(gm, example_inputs=example, is_backward=is_backward)
     if is_backward:
         # AOTAutograd donates saved tensors to the backward (bw_donated_idxs), which may write
@@ -837,7 +846,7 @@ def inductor_schedule(gm: fx.GraphModule, is_backward: bool):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         graph.bw_donated_idxs = [i for i, n in enumerate(placeholders)
                                  if isinstance(n.meta.get("val"), torch.Tensor) and not _is_tangent(n)]
-    with DebugContext(), V.set_graph_handler(graph), V.set_fake_mode(fake_mode), inductor_rules():
+    with DebugContext(), V.set_graph_handler(graph), V.set_fake_mode(fake_mode), inductor_rules(rules):
         graph.run(*example)
         graph.init_wrapper_code()
         graph._update_scheduler()

@@ -37,6 +37,7 @@ from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, TextEnum, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
 from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, cost_profile, held_bytes,
+                                inductor_rules_for,
                                 plan_joint_graph, planning_environment, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
@@ -109,7 +110,7 @@ class Partitioner(tp.PartitionerBase):
             if backend.plan_only:
                 raise PlannedOnly(plan)  # memcompile.max_batch: the plan, no code, no step
         if not plan.stock_inductor_rules:
-            tp.mark_planned(fw, bw)
+            tp.mark_planned(inductor_rules_for(self.options), fw, bw)
         return fw, bw
 
     def uuid(self) -> str:
@@ -1314,7 +1315,7 @@ class Backend:
 
         if options.codegen == "inductor":
             return tp.compile_with_inductor(gm, example_inputs, partitioner, on_inference, schedules,
-                                            autograd_cache=cache_key is not None)
+                                            autograd_cache=cache_key is not None, rules=inductor_rules_for(options))
 
         def partition_fn(joint, joint_inputs, **kwargs):
             return partitioner(joint, joint_inputs, **kwargs)

@@ -8,7 +8,6 @@ and it solves again, so the plan returned always has predicted peak <= budget.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copy
 from typing import Callable
@@ -99,15 +98,29 @@ def cost_profile(options: Options, device: str) -> DeviceProfile:
     return profile if options.experiments.time_ops else dataclasses.replace(profile, times_ops=False)
 
 
-def _checks_schedule(options: Options) -> bool:
-    """The check predicts over the kernels Inductor's scheduler makes of the planned graphs, in its
-    order (passes/inductor_schedule.py, passes/liveness.py analyze_scheduled_liveness): under
-    Inductor, unless the fusion_check experiment is off. Otherwise every FX node's result counts
-    as a buffer, in graph order (above every peak we measured, by up to 1.45x)."""
-    return _runs_under_inductor(options) and options.experiments.fusion_check
+def inductor_rules_for(options: Options) -> tp.InductorRules:
+    """The rules Inductor compiles the graphs memcompile planned under (its experiments may turn
+    each off)."""
+    return tp.InductorRules(lifetime_fusion=options.experiments.lifetime_fusion,
+                            adjacent_reuse=options.experiments.adjacent_reuse)
 
 
-def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: bool = False,
+def _checks_schedule(options: Options) -> tp.InductorRules | None:
+    """The rules under which the check predicts over the kernels Inductor's scheduler makes of
+    the planned graphs, in its order (passes/inductor_schedule.py, passes/liveness.py
+    analyze_scheduled_liveness): under Inductor, unless the fusion_check experiment is off. None:
+    every FX node's result counts as a buffer, in graph order (above every peak we measured, by
+    up to 1.45x)."""
+    return inductor_rules_for(options) if _runs_under_inductor(options) and options.experiments.fusion_check else None
+
+
+def _stock_rules(rules: tp.InductorRules | None) -> tp.InductorRules | None:
+    """The check's rules for a graph compiled under Inductor's own (PyTorch's partition as plain
+    Inductor compiles it: not marked planned, so no rule of ours applies)."""
+    return rules.as_stock() if rules is not None else None
+
+
+def _rewrite_and_check(joint, analysis, solution, num_fwd_outputs, fuse: tp.InductorRules | None = None,
                        rounding: AllocatorRounding = EXACT) -> _Attempt:
     # `fuse`: the check predicts over Inductor's schedule (_checks_schedule); without, every FX
     # node's result is stored, as the FX interpreter (aot_eager) stores it. `rounding`: what
@@ -137,15 +150,16 @@ def predicted_inference_peak(graph: fx.GraphModule, rounding: AllocatorRounding 
 _CHECK_S: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("memcompile_check_s", default=None)
 
 
-def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool,
-                       rounding: AllocatorRounding = EXACT, boundary_bytes: int = 0) -> LivenessTimeline:
+def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+                       inductor: tp.InductorRules | None, rounding: AllocatorRounding = EXACT,
+                       boundary_bytes: int = 0) -> LivenessTimeline:
     """_predicted_liveness, its time added to the current planning's check time; with
     `boundary_bytes` held by eager code as the backward starts (Options.boundary_bytes)."""
     began = time.perf_counter()
     try:
         memo = check_memo.current()
         key = None if memo is None else check_memo.graphs_key(
-            (fw, bw), tp.RECOMPUTED, (num_fwd_outputs, inductor, repr(rounding), tp.check_switches(),
+            (fw, bw), tp.RECOMPUTED, (num_fwd_outputs, inductor.text() if inductor else None, repr(rounding),
                                       torch.get_num_threads(), tp.inductor_config_text()))
         timeline = memo.get(key) if memo is not None else None
         if timeline is None:
@@ -159,9 +173,10 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
             spent[0] += time.perf_counter() - began
 
 
-def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inductor: bool,
-                        rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
-    """The liveness of the graphs as they will run. With `inductor` (_checks_schedule): of copies
+def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+                        inductor: tp.InductorRules | None, rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
+    """The liveness of the graphs as they will run. With `inductor`, the rules Inductor compiles
+    them under (_checks_schedule): of copies
     after Inductor's post-grad passes (they move ops: `mm + add` becomes one addmm at the add,
     holding the mm's inputs until then), over the kernels Inductor's scheduler makes of them, in
     its order (fusing nodes far apart runs them early; a fused kernel's results coexist); if
@@ -188,9 +203,10 @@ def _predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
         log.debug("memcompile: symbolic sizes: predicting in graph order, not over Inductor's schedule")
     else:
         try:
-            schedules = tp.inductor_schedule(fw_seen, is_backward=False), tp.inductor_schedule(bw_seen, is_backward=True)
+            schedules = (tp.inductor_schedule(fw_seen, is_backward=False, rules=inductor),
+                         tp.inductor_schedule(bw_seen, is_backward=True, rules=inductor))
             return analyze_scheduled_liveness(fw_seen, bw_seen, num_fwd_outputs, *schedules, saved_names=saved_names,
-                                              rounding=rounding)
+                                              rounding=rounding, adjacent_reuse=inductor.adjacent_reuse_applies)
         except UNREADABLE_GRAPH_ERRORS as error:  # the prediction must not fail the compile
             log.warning("memcompile: scheduling a copy of the graphs with Inductor failed (%s: %s); "
                         "predicting in graph order", type(error).__name__, error)
@@ -300,21 +316,15 @@ def _stock_partitions(joint, joint_inputs, analysis: JointAnalysis, profile, num
     stock = StockPartitions(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices, profile,
                             {n.name for n in analysis.forward_nodes}, options.allocator_rounding,
                             _headroom_bytes(options.step_budget_bytes, joint_inputs),
-                            boundary_bytes=options.boundary_bytes, over_schedule=_checks_schedule(options))
+                            boundary_bytes=options.boundary_bytes, rules=_checks_schedule(options))
     if plain is not None:
         stock.seed(1.0, plain.forward, plain.backward)
     return stock
 
 
-def experiment_switches() -> tuple[tuple[str, object], ...]:
-    """The Inductor rules' switches: what a stored plan's key holds beside the options (they
-    change what the check predicts; the other experiments are part of the options)."""
-    return tp.check_switches()
-
-
 def planning_environment(device: str) -> str:
     """Everything besides the graph and the options that planning reads (a stored plan's key)."""
-    return (f"{torch.__version__} {source_hash()} {plan_store.machine_text(device)} {experiment_switches()} "
+    return (f"{torch.__version__} {source_hash()} {plan_store.machine_text(device)} "
             f"{tp.inductor_config_text()}")
 
 
@@ -467,7 +477,7 @@ def _search(
                                           options.allocator_rounding, options.boundary_bytes,
                                           budget if request.defer_check else None,
                                           unchecked_if_over=rewrite_is_cheap and request.defer_check,
-                                          over_schedule=_checks_schedule(options))
+                                          rules=_checks_schedule(options))
         made_plain.extend([plain] if plain is not None else [])
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
@@ -511,7 +521,7 @@ def _search(
         if chosen is None:
             chosen = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                                options.allocator_rounding, options.boundary_bytes,
-                                               over_schedule=_checks_schedule(options))
+                                               rules=_checks_schedule(options))
             made_plain.extend([chosen] if chosen is not None else [])
         if chosen is not None and chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis_now())
@@ -534,16 +544,17 @@ def _search(
         # 0.997x (`benchmarks/decisive_points.py`, bert: --variants amb:0.8,mc:16104072, the
         # results' decisive_bert_small_asfast). Where it fits under Inductor's own rules,
         # it runs under them.
-        with tp.stock_inductor_rules():
-            as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs, _checks_schedule(options),
-                                          options.allocator_rounding, options.boundary_bytes)
+        as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs,
+                                      _stock_rules(_checks_schedule(options)), options.allocator_rounding,
+                                      options.boundary_bytes)
         if as_stock.peak_bytes <= budget:
             chosen, stock_rules = dataclasses.replace(chosen, timeline=as_stock), True
     after = chosen.timeline
     sol = chosen.solution
     request.solution = sol
     request.deferred = None if chosen.checked else DeferredCheck(
-        num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget)
+        num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget,
+        adjacent_reuse=inductor_rules_for(options).adjacent_reuse)
     plan = Plan(
         graph_id=graph_id,
         budget_bytes=options.budget_bytes,
@@ -652,7 +663,7 @@ class StockPartitions:
     rounding: AllocatorRounding = EXACT  # what each allocation holds on the step's device
     headroom_bytes: int | None = None  # what the step budget leaves beside the graph's inputs now
     boundary_bytes: int = 0  # held by eager code as the backward starts (Options.boundary_bytes)
-    over_schedule: bool = True  # checked over Inductor's schedule (_checks_schedule)
+    rules: tp.InductorRules | None = tp.PLANNED_RULES  # the schedule check's (_checks_schedule)
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
     _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
@@ -724,7 +735,7 @@ class StockPartitions:
             return None
         fw, bw, recomputed_s = made
         try:
-            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, self.over_schedule, self.rounding,
+            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, self.rules, self.rounding,
                                           self.boundary_bytes)
         except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
@@ -873,6 +884,8 @@ class DeferredCheck:
     boundary_bytes: int
     budget_bytes: int  # the step budget its checked peak must be within
     store: tuple | None = None  # (folder, key, plan as planned, solution): a plan store entry once checked
+    # the compile's rules reuse a dead buffer only for the next kernel (InductorRules.adjacent_reuse)
+    adjacent_reuse: bool = True
 
 
 def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> Plan | None:
@@ -884,12 +897,12 @@ def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> 
     if forward is None or backward is None:
         return None
     # the liveness models the wrapper's buffer reuse as the rules the graphs compiled under
-    with tp.stock_inductor_rules() if plan.stock_inductor_rules else contextlib.nullcontext():
-        timeline = with_held_at_backward_start(
-            analyze_scheduled_liveness(forward.as_checked(), backward.as_checked(), deferred.num_fwd_outputs,
-                                       forward.schedule, backward.schedule, saved_names=forward.output_names,
-                                       rounding=deferred.rounding),
-            deferred.boundary_bytes)
+    timeline = with_held_at_backward_start(
+        analyze_scheduled_liveness(forward.as_checked(), backward.as_checked(), deferred.num_fwd_outputs,
+                                   forward.schedule, backward.schedule, saved_names=forward.output_names,
+                                   rounding=deferred.rounding,
+                                   adjacent_reuse=deferred.adjacent_reuse and not plan.stock_inductor_rules),
+        deferred.boundary_bytes)
     log.debug("memcompile: %s: the compiled schedule peaks at %s (graph-order bound %s, step budget %s)",
               plan.graph_id, format_bytes(timeline.peak_bytes), format_bytes(plan.predicted_peak_bytes),
               format_bytes(deferred.budget_bytes))
@@ -930,7 +943,7 @@ _DEFER_MARGIN = 0.02  # room a plan is deferred with where its graph-order estim
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                               rounding: AllocatorRounding, boundary_bytes: int = 0,
                               screen_budget: int | None = None, unchecked_if_over: bool = False,
-                              over_schedule: bool = True) -> "_Attempt | None":
+                              rules: tp.InductorRules | None = tp.PLANNED_RULES) -> "_Attempt | None":
     """PyTorch's default partition (activation_memory_budget=1.0), checked as plain Inductor
     compiles it (its own fusion and buffer-reuse rules); None if it cannot be made or checked.
     With `screen_budget`: where the graphs peak within it in graph order with every value a
@@ -959,8 +972,7 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
                     return _Attempt(solution, fw, bw, counts[-1], checked=False)
             if unchecked_if_over and counts[0].peak_bytes > screen_budget:
                 return _Attempt(solution, fw, bw, counts[0], checked=False)
-        with tp.stock_inductor_rules():
-            timeline = predicted_liveness(fw, bw, num_fwd_outputs, over_schedule, rounding, boundary_bytes)
+        timeline = predicted_liveness(fw, bw, num_fwd_outputs, _stock_rules(rules), rounding, boundary_bytes)
     except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
         log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
         return None
@@ -1267,7 +1279,7 @@ _DESCENT_TRIES = 8
 _DESCENT_TRIES_WITH_STORE = 12
 
 
-def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: bool, attempt: _Attempt,
+def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: tp.InductorRules | None, attempt: _Attempt,
                       rounding: AllocatorRounding = EXACT) -> _Attempt:
     problem = analysis.problem
     limit = _DESCENT_TRIES_WITH_STORE if problem.store_choices else _DESCENT_TRIES

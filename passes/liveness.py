@@ -370,7 +370,7 @@ def _in_place_donors(nodes: list[fx.Node], roots: dict, fused: _Fusion,
 def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: dict[str, _Storage],
                storages: dict[str, _Storage], record, donors: dict[fx.Node, list[str]] | None = None,
                allocates: frozenset = frozenset(), estimate: tuple[tuple[int, ...], int] | None = None,
-               frees_after: tuple[bool, ...] | None = None) -> None:
+               frees_after: tuple[bool, ...] | None = None, adjacent_reuse: bool = False) -> None:
     """Walk one graph: allocate what each node creates (in place of a dying storage it may
     overwrite, see _in_place_donors; in a freed storage kept for reuse, see _pool_reuses),
     record the step, free what is done. `frees_after[step]`: whether the wrapper frees after
@@ -378,7 +378,7 @@ def _run_phase(phase: str, nodes: list[fx.Node], creates: dict[fx.Node, list[str
     what its members read last is freed after the call's last member); None: after every step."""
     donors = donors or {}
     reuses = _pool_reuses(nodes, creates, dict(live), storages, donors, allocates, estimate,
-                          frees_after) if allocates else {}
+                          frees_after, adjacent_reuse) if allocates else {}
     held_until = {old: step for old, (step, _new) in reuses.items()}
     taken_by = {new: old for old, (_step, new) in reuses.items()}
     for step, node in enumerate(nodes):
@@ -427,7 +427,8 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
                  storages: dict[str, _Storage], donors: dict[fx.Node, list[str]],
                  allocates: frozenset,
                  estimate: tuple[tuple[int, ...], int] | None = None,
-                 frees_after: tuple[bool, ...] | None = None) -> dict[str, tuple[int, str]]:
+                 frees_after: tuple[bool, ...] | None = None,
+                 adjacent_reuse: bool = False) -> dict[str, tuple[int, str]]:
     """Inductor's wrapper does not free a dead buffer that a later allocation of the same dtype
     and size reuses (codegen/wrapper.py: FreeIfNotReusedLine, a LIFO pool per reuse key): its
     memory stays allocated until that allocation. Returns {freed storage: (step, storage that
@@ -440,8 +441,8 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
     the wrapper allocates (`allocates`: generated kernels and mm/addmm/bmm writing into
     `out=`), not library kernels that allocate their own.
 
-    In the graphs memcompile plans, only an allocation by the next kernel reuses a dead buffer
-    (_torch_private.ADJACENT_REUSE_ONLY). Stock Inductor (MEMCOMPILE_ADJACENT_REUSE=0) reuses
+    With `adjacent_reuse` (memcompile's rule in the graphs it plans, _torch_private.InductorRules),
+    only an allocation by the next kernel reuses a dead buffer. Stock Inductor reuses
     when the two are adjacent or when holding the buffer keeps its own
     estimate of the graph's peak (`should_reuse_buffer`); on Llama it held six dead 688 KiB
     buffers across our predicted peak. `estimate` is that estimate (per step, overall: Inductor's
@@ -459,7 +460,7 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
             bucket = pool.get((new.dtype, new.nbytes, new.aligned))
             if node in allocates and key not in taken and bucket:
                 old, freed_at = bucket.pop()
-                if tp.ADJACENT_REUSE_ONLY and estimate is not None:
+                if adjacent_reuse and estimate is not None:
                     # memcompile's rule in its graphs (_torch_private.install_reuse_rule), over
                     # Inductor's kernels; the graph-order count keeps taking every reuse (a bound)
                     reused = freed_at + 1 == step
@@ -510,7 +511,7 @@ def _keys_by_creator(created: dict[str, tuple[int, fx.Node]]) -> dict[fx.Node, l
 def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, num_fwd_outputs: int,
                                fw_schedule: InductorSchedule, bw_schedule: InductorSchedule | None,
                                saved_names: tuple[str | None, ...] | None = None,
-                               rounding: AllocatorRounding = EXACT) -> LivenessTimeline:
+                               rounding: AllocatorRounding = EXACT, adjacent_reuse: bool = True) -> LivenessTimeline:
     """Timeline of live bytes as Inductor's wrapper runs `fw` then `bw`: over its kernels in its
     order (passes/inductor_schedule.py), each kernel one step that allocates all its buffers
     before any of its inputs is freed. `fw`/`bw` are the graphs the schedules were built from
@@ -518,7 +519,8 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
     The same rules as analyze_liveness otherwise: storages freed after their last reader, unless
     handed on; a result written over a dying input of the same size; freed buffers held for a
     later allocation of the same size and dtype (_pool_reuses); each allocation holding what
-    `rounding` says its block holds."""
+    `rounding` says its block holds. `adjacent_reuse`: the wrapper reuses a dead buffer only for
+    the next kernel's allocation (memcompile's rule, _torch_private.InductorRules.adjacent_reuse_applies)."""
     storages: dict[str, _Storage] = {}
     steps: list[LiveStep] = []
     live: dict[str, _Storage] = {}
@@ -574,7 +576,7 @@ def analyze_scheduled_liveness(fw: fx.GraphModule, bw: fx.GraphModule | None, nu
                     donors.setdefault(k, {}).setdefault(key_of[result], []).append(key_of[donor])
         allocates = frozenset(k for k in kernels if k.wrapper_allocates)
         _run_phase(phase, kernels, creates, live, storages, lambda ph, k: record(ph, k, graph), donors, allocates,
-                   (schedule.peak_estimate, schedule.overall_peak_estimate), _frees_after(kernels))
+                   (schedule.peak_estimate, schedule.overall_peak_estimate), _frees_after(kernels), adjacent_reuse)
 
     # ---- forward
     def fw_input(node: fx.Node) -> str:

@@ -113,21 +113,21 @@ def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
 
     unchunked = dict(time_limit_s=5, chunk_mlp=False, chunk_loss=False)
 
-    def floor() -> int:
+    def floor(experiments: memcompile.Experiments) -> int:
         torch.compiler.reset()
         bench = build("llama", "tiny")
-        compiled = torch.compile(bench.module, backend=memcompile.budget(1, **unchunked))
+        compiled = torch.compile(bench.module, backend=memcompile.budget(1, experiments=experiments, **unchunked))
         with pytest.raises(memcompile.InfeasibleBudgetError) as info:
             compiled(*bench.inputs)
         return info.value.min_feasible_bytes
 
-    monkeypatch.setattr(tp, "ADJACENT_REUSE_ONLY", False)
-    limited_stock_reuse = floor()
+    stock_reuse = memcompile.Experiments(adjacent_reuse=False)
+    limited_stock_reuse = floor(stock_reuse)
     monkeypatch.setattr(tp, "RECOMPUTE_FUSION_DISTANCE", 10**9)  # Inductor's own rule only
-    unlimited = floor()
+    unlimited = floor(stock_reuse)
     monkeypatch.undo()
     assert limited_stock_reuse < unlimited
-    limited = floor()
+    limited = floor(memcompile.Experiments())
     assert limited <= limited_stock_reuse
     torch.compiler.reset()
     bench = build("llama", "tiny")

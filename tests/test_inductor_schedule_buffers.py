@@ -230,7 +230,7 @@ def _reduction_read_early_and_by_a_late_recomputation(x, w, wide, wide_w, wider,
 @pytest.fixture
 def inductor_rules():
     """memcompile's Inductor rules installed for the test (as inside memcompile's own compiles)."""
-    with tp.inductor_rules():
+    with tp.inductor_rules(tp.PLANNED_RULES):
         yield
 
 
@@ -319,14 +319,13 @@ def test_a_fusion_that_would_keep_a_dead_buffer_live_is_refused_in_planned_graph
             torch.randn(rows, 64), torch.randn(rows, 64))
     graph = make_fx(_product_and_its_gradient, tracing_mode="fake")(*args)
 
-    def kernels_of_wide_buffers_and_peak():
-        schedule = tp.inductor_schedule(graph, is_backward=False)
+    def kernels_of_wide_buffers_and_peak(rules):
+        schedule = tp.inductor_schedule(graph, is_backward=False, rules=rules)
         made_in = sorted(k.index for k in schedule.kernels for b in k.allocates if b.nbytes == wide)
         return made_in, liveness.analyze_scheduled_liveness(graph, None, 1, schedule, None).peak_bytes
 
-    made_in, peak = kernels_of_wide_buffers_and_peak()
-    monkeypatch.setattr(tp, "LIFETIME_FUSION", False)
-    fused_in, fused_peak = kernels_of_wide_buffers_and_peak()
+    made_in, peak = kernels_of_wide_buffers_and_peak(tp.PLANNED_RULES)
+    fused_in, fused_peak = kernels_of_wide_buffers_and_peak(tp.InductorRules(lifetime_fusion=False))
     assert len(fused_in) == 2 and fused_in[0] == fused_in[1], fused_in  # one kernel allocates both
     assert len(made_in) == 2 and made_in[0] < made_in[1], made_in  # two kernels apart
     # refused, the peak is at the second matmul (its result beside the first's), not at the first
@@ -352,9 +351,8 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(inductor_rules, m
         return metrics.generated_kernel_count
 
     with_rule = kernels_generated()
-    monkeypatch.setattr(tp, "LIFETIME_FUSION", False)
-    assert kernels_generated() == with_rule
-    monkeypatch.setattr(tp, "LIFETIME_FUSION", True)
+    with tp.inductor_rules(tp.InductorRules(lifetime_fusion=False)):
+        assert kernels_generated() == with_rule
     monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
     assert kernels_generated() == with_rule + 1  # the product and the up gradient apart
     torch.compiler.reset()
@@ -391,6 +389,6 @@ def test_in_planned_graphs_the_wrapper_reuses_a_dead_buffer_only_for_the_next_ke
     monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
     planned = reuses()
     assert set(planned) < set(stock), (planned, stock)  # only reuses by the next kernel remain
-    monkeypatch.setattr(tp, "ADJACENT_REUSE_ONLY", False)
-    assert reuses() == stock
+    with tp.inductor_rules(tp.InductorRules(adjacent_reuse=False)):
+        assert reuses() == stock
     torch.compiler.reset()

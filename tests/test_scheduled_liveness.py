@@ -3,7 +3,6 @@ hand-made schedules: no Inductor run (tests/test_fusion_inductor.py checks real 
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.fx as fx
 
@@ -61,18 +60,18 @@ def test_results_of_one_kernel_coexist_and_one_may_take_a_dying_input():
     assert _forward_steps(timeline) == [x + 4 * KIB, x + 12 * KIB, x + 16 * KIB]
 
 
-@pytest.fixture
-def stock_reuse(monkeypatch):
-    """Inductor's own reuse rule (MEMCOMPILE_ADJACENT_REUSE=0), which these tests model; the
-    graphs memcompile plans reuse only between adjacent kernels (the test after this one)."""
-    monkeypatch.setattr(tp, "ADJACENT_REUSE_ONLY", False)
+def _under_stock_reuse(*args, **kwargs):
+    """The liveness under Inductor's own reuse rule (InductorRules(adjacent_reuse=False)), which
+    the tests using it model; the graphs memcompile plans reuse only between adjacent kernels
+    (the test after this one)."""
+    return analyze_scheduled_liveness(*args, adjacent_reuse=False, **kwargs)
 
 
 def test_in_planned_graphs_a_freed_buffer_is_reused_only_by_the_next_kernel():
     """memcompile's rule (_torch_private.inductor_rules): the kernels of the next test, where
     Inductor holds buf0 and buf1 dead for later allocations of their sizes; here each is freed
     when it dies and the later result allocated anew."""
-    assert tp.ADJACENT_REUSE_ONLY  # the default
+    assert tp.PLANNED_RULES.adjacent_reuse_applies  # the default
     x = 4 * KIB
     fw = _graph({"primals_1": 1024}, [("out", 1024)])
     kernels = (
@@ -89,7 +88,6 @@ def test_in_planned_graphs_a_freed_buffer_is_reused_only_by_the_next_kernel():
     assert steps[5] == x + 4 * KIB + 4 * KIB  # buf4 read while buf5 is written: no taker before it dies
 
 
-@pytest.mark.usefixtures("stock_reuse")
 def test_a_freed_buffer_is_held_for_the_next_allocation_of_its_size():
     x = 4 * KIB
     fw = _graph({"primals_1": 1024}, [("out", 1024)])
@@ -100,7 +98,7 @@ def test_a_freed_buffer_is_held_for_the_next_allocation_of_its_size():
         _kernel(3, [("buf3", 8 * KIB)], ["buf2"]),  # takes buf0's memory, held since k1
         _kernel(4, [("buf4", 4 * KIB)], ["buf3"]),  # takes buf1's memory, held since k2
     )
-    steps = _forward_steps(analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf4",)), None))
+    steps = _forward_steps(_under_stock_reuse(fw, None, 1, InductorSchedule(kernels, ("buf4",)), None))
     assert steps[2] == x + 8 * KIB + 4 * KIB + 2 * KIB  # buf0 dead, but still allocated
     assert steps[3] == x + 4 * KIB + 2 * KIB + 8 * KIB  # buf3 in buf0's memory; buf1 held
     assert steps[4] == x + 8 * KIB + 4 * KIB  # buf4 in buf1's memory; buf2 (no taker) freed
@@ -120,16 +118,15 @@ def test_saved_tensors_renamed_by_post_grad_passes_are_held_for_the_backward():
     def backward_peak(timeline):
         return max(s.live_bytes for s in timeline.steps if s.phase == "backward")
 
-    with_names = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule, saved_names=names)
+    with_names = _under_stock_reuse(fw, bw, 1, fw_schedule, bw_schedule, saved_names=names)
     assert backward_peak(with_names) >= saved + 64
-    without = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule)
+    without = _under_stock_reuse(fw, bw, 1, fw_schedule, bw_schedule)
     assert backward_peak(without) < saved  # the mismatch the names fix
     # the graph-order liveness takes the same names
     assert backward_peak(analyze_liveness(fw, bw, 1, saved_names=names)) >= saved + 64
     assert backward_peak(analyze_liveness(fw, bw, 1)) < saved
 
 
-@pytest.mark.usefixtures("stock_reuse")
 def test_a_freed_buffer_is_reused_only_where_inductors_own_estimate_allows():
     """Inductor's wrapper reuses a freed buffer for a later allocation of its size only when
     they are adjacent or holding it keeps Inductor's estimate of the schedule within its peak
@@ -147,7 +144,7 @@ def test_a_freed_buffer_is_reused_only_where_inductors_own_estimate_allows():
 
     def steps(estimate, overall):
         schedule = InductorSchedule(kernels, ("buf4",), estimate, overall)
-        return _forward_steps(analyze_scheduled_liveness(fw, None, 1, schedule, None))
+        return _forward_steps(_under_stock_reuse(fw, None, 1, schedule, None))
 
     every_reuse = steps((), 0)  # no estimate: every reuse assumed, buf0 held through k2
     assert every_reuse[2] == x + 8 * KIB + 4 * KIB + 2 * KIB
@@ -172,7 +169,6 @@ def test_inductors_reuse_rule_counts_what_earlier_reuses_hold():
     assert _inductor_would_reuse(held, 20, freed_at=2, step=3, nbytes=100)  # adjacent: always
 
 
-@pytest.mark.usefixtures("stock_reuse")
 def test_a_saved_tensor_the_backward_frees_is_not_held_for_a_later_allocation():
     """Inductor's wrapper frees a graph input outright (codegen_free: FreeLine for an
     InputBuffer, donated or not): a saved tensor is never kept for reuse. Counting it as pooled
@@ -189,13 +185,12 @@ def test_a_saved_tensor_the_backward_frees_is_not_held_for_a_later_allocation():
         _kernel(2, [("buf2", KIB)], ["saved", "buf1"]),  # the saved tensor dies: freed
         _kernel(3, [("buf3", 4 * KIB)], ["buf2"]),  # takes buf0's memory, held since k1
     ), ("buf3",))
-    timeline = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule, saved_names=("out", "saved"))
+    timeline = _under_stock_reuse(fw, bw, 1, fw_schedule, bw_schedule, saved_names=("out", "saved"))
     steps = [s.live_bytes for s in timeline.steps if s.phase == "backward"]
     assert steps[2] == steps[1] + KIB  # buf2 added, buf0 still allocated (dead, held for buf3)
     assert steps[3] == steps[2] - 4 * KIB - KIB  # the saved tensor and buf1 freed; buf3 in buf0
 
 
-@pytest.mark.usefixtures("stock_reuse")
 def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
     """The wrapper's reuse key includes alignment (buffer_reuse_key): the outputs of a library
     call returning a tuple (attention's gradients) are assumed not aligned, so the next aligned
@@ -210,12 +205,11 @@ def test_an_unaligned_library_result_is_not_held_for_an_aligned_allocation():
         _kernel(2, [("buf2", KIB)], ["buf1"]),  # buf1 dies: its key has no taker, freed
         _kernel(3, [("buf3", 4 * KIB)], ["buf2"]),  # takes buf0's memory
     )
-    steps = _forward_steps(analyze_scheduled_liveness(fw, None, 1, InductorSchedule(kernels, ("buf3",)), None))
+    steps = _forward_steps(_under_stock_reuse(fw, None, 1, InductorSchedule(kernels, ("buf3",)), None))
     assert steps[2] == x + 4 * KIB + 4 * KIB + KIB  # buf0 held, buf1 read, buf2 new
     assert steps[3] == x + KIB + 4 * KIB  # buf1 freed, buf3 in buf0's memory
 
 
-@pytest.mark.usefixtures("stock_reuse")
 def test_a_result_written_over_an_unaligned_saved_tensor_is_not_held_for_an_aligned_allocation():
     """Inductor assumes every CPU graph input unaligned (utils.should_assume_input_aligned), and a
     result written in place over one inherits that (make_inplace): its reuse key matches no
@@ -237,7 +231,7 @@ def test_a_result_written_over_an_unaligned_saved_tensor_is_not_held_for_an_alig
 
     def backward_steps(unaligned):
         bw_schedule = InductorSchedule(kernels, ("buf4",), unaligned_inputs=frozenset(unaligned))
-        timeline = analyze_scheduled_liveness(fw, bw, 1, fw_schedule, bw_schedule, saved_names=("out", "saved"))
+        timeline = _under_stock_reuse(fw, bw, 1, fw_schedule, bw_schedule, saved_names=("out", "saved"))
         return [s.live_bytes for s in timeline.steps if s.phase == "backward"]
 
     steps = backward_steps({"saved"})
