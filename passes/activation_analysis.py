@@ -149,6 +149,295 @@ def _with_transfer_window(choice: StoreChoice, created: int, forward_end: int, f
                                prefetch_steps=prefetch)
 
 
+@dataclass(frozen=True, eq=False)
+class _Phases:
+    """The joint graph's nodes as the steps run them: the forward's, then the backward's."""
+
+    nodes: tuple[fx.Node, ...]  # every node but the output
+    primals: tuple[fx.Node, ...]
+    forward_nodes: tuple[fx.Node, ...]
+    backward_nodes: tuple[fx.Node, ...]
+    required_fw: frozenset[fx.Node]  # run in the forward (the others there run only if kept)
+    step: dict[fx.Node, int]
+    root: dict[fx.Node, fx.Node]  # the node owning each node's storage (aliases count against it)
+    user_outputs: frozenset[fx.Node]
+    grad_outputs: frozenset[fx.Node]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.forward_nodes) + len(self.backward_nodes)
+
+
+def _phases(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices: list[int]) -> _Phases:
+    required_fw, required_bw, _ = tp.classify_joint_nodes(joint, num_fwd_outputs, static_lifetime_input_indices)
+    # A member of a forward op's tuple exists once that op has run in the forward: attention's
+    # log-sum-exp, read by the backward only. The stock classification calls such a getitem
+    # unclaimed, which made it unkeepable ("computed in backward only") and so every solver plan
+    # re-ran attention in the backward to get it (Llama small: two more attention kernels a step;
+    # `python benchmarks/step_profile.py --model llama --budget 12467104` at 15a093a).
+    required_fw |= {n for n in joint.graph.nodes if is_getitem(n) and n.args[0] in required_fw}
+    nodes = tuple(n for n in joint.graph.nodes if n.op != "output")
+    placeholders = {n for n in nodes if n.op == "placeholder"}
+    backward_nodes = tuple(n for n in nodes if n in required_bw and n not in placeholders)
+    forward_nodes = tuple(n for n in nodes if n not in required_bw and n not in placeholders)
+    step = {n: i for i, n in enumerate(forward_nodes)}
+    step.update({n: len(forward_nodes) + i for i, n in enumerate(backward_nodes)})
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        base = _alias_base(n)
+        root[n] = root.get(base, base) if base is not None else n
+    outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
+    return _Phases(nodes, tuple(n for n in nodes if tp.is_primal(n)), forward_nodes, backward_nodes,
+                   frozenset(required_fw), step, root,
+                   frozenset(a for a in outputs[:num_fwd_outputs] if isinstance(a, fx.Node)),
+                   frozenset(a for a in outputs[num_fwd_outputs:] if isinstance(a, fx.Node)))
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _recompute_inputs(n: fx.Node, forward: set[fx.Node] | frozenset[fx.Node]) -> list[fx.Node]:
+    """The forward tensors recomputing `n` reads."""
+    return [i for i in compute_unit(n).all_input_nodes if i in forward and _is_tensor(i)]
+
+
+def _candidates(phases: _Phases) -> list[fx.Node]:
+    """Forward tensors the backward reads, and (transitively) what recomputing them reads, in
+    forward order."""
+    forward = set(phases.forward_nodes)
+    frontier = [i for b in phases.backward_nodes for i in b.all_input_nodes if i in forward and _is_tensor(i)]
+    found: set[fx.Node] = set()
+    while frontier:
+        n = frontier.pop()
+        if n in found:
+            continue
+        found.add(n)
+        frontier.extend(_recompute_inputs(n, forward))
+    return [n for n in phases.forward_nodes if n in found]
+
+
+@dataclass(frozen=True, eq=False)
+class _Reads:
+    """Storage-level first and last reads, per phase (steps; NEVER where not read)."""
+
+    fw_last: dict[fx.Node, int]
+    bw_first: dict[fx.Node, int]  # of candidates: recomputations are placed before their first FX reader
+    bw_last: dict[fx.Node, int]
+
+
+def _reads(phases: _Phases, candidates: set[fx.Node], reads_of) -> _Reads:
+    fw_last: dict[fx.Node, int] = {}
+    bw_first: dict[fx.Node, int] = {}
+    bw_last: dict[fx.Node, int] = {}
+    backward = set(phases.backward_nodes)
+    step, root = phases.step, phases.root
+    for n in phases.nodes:
+        for i in reads_of(n):
+            r = root[i]
+            if n in phases.required_fw:  # unclaimed forward-side nodes run in backward, if at all
+                fw_last[r] = max(fw_last.get(r, NEVER), step[n])
+            elif n in backward:
+                for key in {r, i}:  # the storage and the node itself (views read directly)
+                    bw_last[key] = max(bw_last.get(key, NEVER), step[n])
+        if n in backward:
+            for i in n.all_input_nodes:
+                if i in candidates:
+                    bw_first[i] = min(bw_first.get(i, phases.num_steps), step[n])
+    for o in phases.user_outputs:
+        fw_last[root[o]] = phases.num_steps - 1
+    return _Reads(fw_last, bw_first, bw_last)
+
+
+class _FixedBytes:
+    """Bytes held whatever the plan decides, per step, as a difference array; and what each
+    step's node allocates itself (its outputs, its scratch)."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.delta = [0] * (num_steps + 1)
+        self.allocated_by_node = [0] * num_steps
+
+    def add(self, nbytes: int, start: int, end: int, by_node: bool = False) -> None:
+        if nbytes and start <= end:
+            self.delta[start] += nbytes
+            self.delta[end + 1] -= nbytes
+            if by_node:
+                self.allocated_by_node[start] += nbytes
+
+    def per_step(self) -> tuple[int, ...]:
+        running, out = 0, []
+        for change in self.delta[:-1]:
+            running += change
+            out.append(running)
+        return tuple(out)
+
+
+def _born(phases: _Phases) -> dict[fx.Node, int]:
+    """The step allocating each node's result: a tuple member's is the op's that returns the tuple."""
+    step = phases.step
+    return {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
+
+
+def _add_fixed_bytes(fixed: _FixedBytes, phases: _Phases, candidates: set[fx.Node], reads: _Reads,
+                     inlined: frozenset[fx.Node], fuse: bool) -> None:
+    """What no decision changes: parameters, tangents, each node's transients, and the
+    non-candidates' results over their lifetimes."""
+    step, root, last = phases.step, phases.root, phases.num_steps - 1
+    backward_start = len(phases.forward_nodes)
+    forward, backward = set(phases.forward_nodes), set(phases.backward_nodes)
+    grad_roots = {root[g] for g in phases.grad_outputs}  # a gradient may be a view (e.g. of an mm's result)
+    born = _born(phases)
+    fixed.add(sum(tensor_nbytes(p.meta.get("val")) for p in phases.primals if root[p] is p), 0, last)
+    for n in phases.nodes:
+        if n.op == "placeholder" and tp.is_tangent(n):
+            fixed.add(tensor_nbytes(n.meta.get("val")), backward_start, max(reads.bw_last.get(n, NEVER), backward_start))
+    for n in phases.forward_nodes + phases.backward_nodes:
+        unclaimed = n in forward and n not in phases.required_fw  # runs in forward only if kept
+        if not unclaimed and n not in inlined:  # (then its transients are in the liveness check, not here)
+            fixed.add(transient_bytes(n, inductor=fuse) + op_scratch_bytes(n), step[n], step[n], by_node=True)
+        if root[n] is not n or n in inlined:
+            continue  # aliases own no storage; inlined bodies own none either
+        if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):
+            # Tuple producers: members nobody reads exist only while the op runs.
+            read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}
+            for k, member in enumerate(n.meta["val"]):
+                if k not in read_members:
+                    fixed.add(tensor_nbytes(member), step[n], step[n], by_node=True)
+            continue
+        size = tensor_nbytes(n.meta.get("val"))
+        if n in backward:
+            end = last if n in grad_roots else max(reads.bw_last.get(n, NEVER), step[n])
+            fixed.add(size, born[n], end, by_node=True)
+        elif n not in candidates:
+            fixed.add(size, step[n], max(reads.fw_last.get(n, NEVER), step[n]), by_node=True)
+
+
+@dataclass
+class _Rows:
+    """The problem's per-candidate columns, filled one candidate at a time."""
+
+    names: list = dataclasses.field(default_factory=list)
+    nbytes: list = dataclasses.field(default_factory=list)
+    costs: list = dataclasses.field(default_factory=list)
+    can_keep: list = dataclasses.field(default_factory=list)
+    can_recompute: list = dataclasses.field(default_factory=list)
+    bans: list = dataclasses.field(default_factory=list)
+    keep_bans: list = dataclasses.field(default_factory=list)
+    first_read: list = dataclasses.field(default_factory=list)
+    last_read: list = dataclasses.field(default_factory=list)
+    keep_from: list = dataclasses.field(default_factory=list)
+    recompute_from: list = dataclasses.field(default_factory=list)
+    reads: list = dataclasses.field(default_factory=list)
+    view_of: list = dataclasses.field(default_factory=list)
+    created_at: list = dataclasses.field(default_factory=list)
+    store_choices: list = dataclasses.field(default_factory=list)
+    not_stored: list = dataclasses.field(default_factory=list)
+    must_be_exact: list = dataclasses.field(default_factory=list)
+
+
+def _recompute_and_keep_bans(c: fx.Node, base: fx.Node | None, phases: _Phases, pinned_bases: set[fx.Node],
+                             primals: set[fx.Node], cost_s: float | None) -> tuple[str, str]:
+    """Why `c` may not be recomputed, and why it may not be kept ('' where it may)."""
+    ban = _recompute_ban(c)
+    is_view_of_activation = base is not None and phases.root[c] not in primals
+    if is_view_of_activation and ban == MUST_SAVE:
+        ban = ""
+    elif c in pinned_bases and not ban:
+        ban = MUST_SAVE
+    if not ban and cost_s is None:
+        ban = NO_COST
+    if ban and must_recompute(c):
+        log.warning("memcompile: %s is marked MUST_RECOMPUTE but cannot be recomputed (%s): it is kept", c.name, ban)
+        ban += "; its MUST_RECOMPUTE cannot be honoured"
+    # Keeping a view of an activation would pin its base: recompute the (free) view instead.
+    # Keeping an unclaimed node would run it (and its inputs' lifetimes) at the end of
+    # forward, which the model does not describe: compute it in backward instead.
+    # The user's MUST_RECOMPUTE forbids keeping, where recomputing is allowed at all.
+    if ban:
+        return ban, ""  # keeping is the only way left (the solver needs one of the two)
+    if is_view_of_activation:
+        return ban, VIEW_OF_ACTIVATION
+    if must_recompute(c):
+        return ban, MUST_RECOMPUTE_REASON
+    if c not in phases.required_fw:
+        return ban, "computed in backward only"
+    return ban, ""
+
+
+def _candidate_rows(phases: _Phases, candidates: list[fx.Node], reads: _Reads, fixed: _FixedBytes,
+                    profile: DeviceProfile, store: StoreOptions, step_time_s: list[float]) -> _Rows:
+    """Each candidate's sizes, costs, bans, windows and storage forms; adds the forward lifetime
+    every decision shares to `fixed`."""
+    step, root, num_steps = phases.step, phases.root, phases.num_steps
+    backward_start = len(phases.forward_nodes)
+    forward = set(phases.forward_nodes)
+    index = {n: i for i, n in enumerate(candidates)}
+    born = _born(phases)
+    can_pin = [n in phases.required_fw and is_materialised(n) for n in phases.forward_nodes] if store.offload else []
+    # MUST_SAVE on a view of an activation pins the storage it views: the base is saved and the
+    # (free) view recomputed from it.
+    pinned_bases = {root[c] for c in candidates
+                    if _alias_base(c) is not None and checkpoint_policy(compute_unit(c)) == "MUST_SAVE"}
+    primals = set(phases.primals)
+    cost_of_unit: dict[fx.Node, float | None] = {}
+    rows = _Rows()
+    for c in candidates:
+        base = _alias_base(c)
+        own_bytes = 0 if base is not None else tensor_nbytes(c.meta.get("val"))
+        in_forward = c in phases.required_fw
+        fw_end = max(reads.fw_last.get(c, NEVER), step[c]) if in_forward else NEVER
+        if in_forward and own_bytes:
+            fixed.add(own_bytes, born[c], fw_end, by_node=True)  # forward lifetime: the same whatever we decide
+        unit = compute_unit(c)
+        if unit not in cost_of_unit:
+            # Unclaimed nodes (forward values only the backward reads) run once either way:
+            # computing them in backward is not a re-computation.
+            cost_of_unit[unit] = _recompute_cost_s(unit, profile) if in_forward else 0.0
+        ban, keep_ban = _recompute_and_keep_bans(c, base, phases, pinned_bases, primals, cost_of_unit[unit])
+        rows.names.append(c.name)
+        rows.nbytes.append(own_bytes)
+        rows.costs.append(cost_of_unit[unit] or 0.0)
+        rows.can_keep.append(keep_ban == "")
+        rows.keep_bans.append(keep_ban)
+        rows.can_recompute.append(ban == "")
+        rows.bans.append(ban)
+        rows.first_read.append(reads.bw_first.get(c, num_steps))
+        rows.last_read.append(reads.bw_last.get(c, NEVER))
+        rows.keep_from.append(fw_end + 1 if in_forward else step[c])
+        rows.recompute_from.append(max(backward_start, fw_end + 1))
+        rows.reads.append(tuple(sorted({index[i] for i in _recompute_inputs(c, forward)})))
+        rows.view_of.append(index[base] if base in index else -1)
+        rows.created_at.append(step[c])
+        if rows.can_keep[-1] and rows.keep_from[-1] < num_steps:  # held across the gap: other forms may apply
+            choices, why = store_choices_for(c, own_bytes, profile, store)
+            choices = tuple(_with_transfer_window(ch, step[c], fw_end, reads.bw_first.get(c, num_steps),
+                                                  phases.forward_nodes, step_time_s, can_pin) for ch in choices)
+        else:
+            choices, why = (), ""
+        rows.store_choices.append(choices)
+        rows.not_stored.append(why)
+        rows.must_be_exact.append(any(error_sensitivity(c, fmt) for fmt in store.formats))
+    return rows
+
+
+def _same_op_groups(candidates: list[fx.Node], rows: _Rows, reads: _Reads) -> list[int]:
+    """Results of one multi-result op that the backward reads (attention's output and
+    log-sum-exp) are recomputed together or not at all: one run of the op makes them all. Per
+    candidate, the first of its group (-1: none); the op's time is charged to that one only
+    (rows.costs is changed so)."""
+    same_op_as = [-1] * len(candidates)
+    groups: dict[fx.Node, list[int]] = {}
+    for i, c in enumerate(candidates):
+        if is_getitem(c) and rows.can_recompute[i] and c in reads.bw_first:
+            groups.setdefault(compute_unit(c), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            for i in members:
+                same_op_as[i] = members[0]
+                rows.costs[i] = rows.costs[i] if i == members[0] else 0.0
+    return same_op_as
+
+
 def analyze_joint_graph(
     joint: fx.GraphModule,
     num_fwd_outputs: int,
@@ -159,57 +448,9 @@ def analyze_joint_graph(
 ) -> JointAnalysis:
     """`fuse`: the graphs go to Inductor, so temporaries it inlines (passes/fusion.py) hold no
     buffer and their inputs are read when their consumers run (as the liveness check counts)."""
-    required_fw, required_bw, _ = tp.classify_joint_nodes(
-        joint, num_fwd_outputs, static_lifetime_input_indices
-    )
-    # A member of a forward op's tuple exists once that op has run in the forward: attention's
-    # log-sum-exp, read by the backward only. The stock classification calls such a getitem
-    # unclaimed, which made it unkeepable ("computed in backward only") and so every solver plan
-    # re-ran attention in the backward to get it (Llama small: two more attention kernels a step;
-    # `python benchmarks/step_profile.py --model llama --budget 12467104` at 15a093a).
-    required_fw |= {n for n in joint.graph.nodes if is_getitem(n) and n.args[0] in required_fw}
-    nodes = [n for n in joint.graph.nodes if n.op != "output"]
-    primals = tuple(n for n in nodes if tp.is_primal(n))
-    primal_set = set(primals)
-    placeholders = {n for n in nodes if n.op == "placeholder"}
-    backward_nodes = tuple(n for n in nodes if n in required_bw and n not in placeholders)
-    forward_nodes = tuple(n for n in nodes if n not in required_bw and n not in placeholders)
-    step = {n: i for i, n in enumerate(forward_nodes)}
-    step.update({n: len(forward_nodes) + i for i, n in enumerate(backward_nodes)})
-    num_steps = len(forward_nodes) + len(backward_nodes)
-    last = num_steps - 1
-    fw_set, bw_set = set(forward_nodes), set(backward_nodes)
-
-    out_node = joint.graph.find_nodes(op="output")[0]
-    outputs = list(out_node.args[0])
-    user_outputs = {a for a in outputs[:num_fwd_outputs] if isinstance(a, fx.Node)}
-    grad_outputs = {a for a in outputs[num_fwd_outputs:] if isinstance(a, fx.Node)}
-
-    # Storage roots: aliases count against the storage they view.
-    root: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        base = _alias_base(n)
-        root[n] = root.get(base, base) if base is not None else n
-
-    # Candidates: forward tensors the backward reads, and (transitively) what recomputing them reads.
-    def is_tensor(n: fx.Node) -> bool:
-        return isinstance(n.meta.get("val"), torch.Tensor)
-
-    def recompute_inputs(n: fx.Node) -> list[fx.Node]:
-        return [i for i in compute_unit(n).all_input_nodes if i in fw_set and is_tensor(i)]
-
-    direct = {i for b in backward_nodes for i in b.all_input_nodes if i in fw_set and is_tensor(i)}
-    candidate_set: set[fx.Node] = set()
-    frontier = list(direct)
-    while frontier:
-        n = frontier.pop()
-        if n in candidate_set:
-            continue
-        candidate_set.add(n)
-        frontier.extend(recompute_inputs(n))
-    candidates = [n for n in forward_nodes if n in candidate_set]
-    index = {n: i for i, n in enumerate(candidates)}
-
+    phases = _phases(joint, num_fwd_outputs, static_lifetime_input_indices)
+    candidates = _candidates(phases)
+    candidate_set = set(candidates)
     # Inductor's buffers. Candidates are saved (forward outputs) or recomputed: counted as buffers
     # here whatever the decision, an upper bound the exact check of the rewritten graphs refines.
     inlined: frozenset[fx.Node] = frozenset()
@@ -217,7 +458,7 @@ def analyze_joint_graph(
     if fuse:
         prediction = predict_fusion(fusion_facts(joint, forced_outputs=candidate_set),
                                     FusionRules.for_device(graph_device_type(joint)))
-        by_name = {n.name: n for n in nodes}
+        by_name = {n.name: n for n in phases.nodes}
         inlined = frozenset(by_name[n] for n in prediction.inlined if n in by_name)
         either = frozenset(by_name[n] for n in prediction.either if n in by_name)
 
@@ -227,175 +468,35 @@ def analyze_joint_graph(
             return []
         return effective_reads(n, inlined, either) if fuse else list(n.all_input_nodes)
 
-    # Storage-level first/last reads, per phase.
-    fw_last_read: dict[fx.Node, int] = {}
-    bw_first_read: dict[fx.Node, int] = {}
-    bw_last_read: dict[fx.Node, int] = {}
-    for n in nodes:
-        for i in reads_of(n):
-            r = root[i]
-            if n in required_fw:  # unclaimed forward-side nodes run in backward, if at all
-                fw_last_read[r] = max(fw_last_read.get(r, NEVER), step[n])
-            elif n in bw_set:
-                for key in {r, i}:  # the storage and the node itself (views read directly)
-                    bw_last_read[key] = max(bw_last_read.get(key, NEVER), step[n])
-        if n in bw_set:
-            for i in n.all_input_nodes:  # recomputations are placed before the first FX reader
-                if i in candidate_set:
-                    bw_first_read[i] = min(bw_first_read.get(i, num_steps), step[n])
-    for o in user_outputs:
-        fw_last_read[root[o]] = last
-
-    fixed = [0] * (num_steps + 1)
-    allocated_by_node = [0] * num_steps  # what each step's node allocates (its outputs, its scratch)
-    grad_roots = {root[g] for g in grad_outputs}  # a gradient may be a view (e.g. of an mm's result)
-    # A tuple member is allocated by the op that returns the tuple, not by its getitem.
-    born = {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
-
-    def add(nbytes: int, start: int, end: int, by_node: bool = False) -> None:
-        if nbytes and start <= end:
-            fixed[start] += nbytes
-            fixed[end + 1] -= nbytes
-            if by_node:
-                allocated_by_node[start] += nbytes
-
-    static_bytes = sum(tensor_nbytes(p.meta.get("val")) for p in primals if root[p] is p)
-    add(static_bytes, 0, last)
-    for n in nodes:
-        if n.op == "placeholder" and tp.is_tangent(n):
-            add(tensor_nbytes(n.meta.get("val")), len(forward_nodes), max(bw_last_read.get(n, NEVER), len(forward_nodes)))
-    for n in forward_nodes + backward_nodes:
-        unclaimed = n in fw_set and n not in required_fw  # runs in forward only if kept
-        if not unclaimed and n not in inlined:  # (then its transients are in the liveness check, not here)
-            add(transient_bytes(n, inductor=fuse) + op_scratch_bytes(n), step[n], step[n], by_node=True)
-        if root[n] is not n or n in inlined:
-            continue  # aliases own no storage; inlined bodies own none either
-        if not is_getitem(n) and isinstance(n.meta.get("val"), (tuple, list)):
-            # Tuple producers: members nobody reads exist only while the op runs.
-            read_members = {g.args[1] for g in n.users if is_getitem(g) and g.users}
-            for k, member in enumerate(n.meta["val"]):
-                if k not in read_members:
-                    add(tensor_nbytes(member), step[n], step[n], by_node=True)
-            continue
-        size = tensor_nbytes(n.meta.get("val"))
-        if n in bw_set:
-            end = last if n in grad_roots else max(bw_last_read.get(n, NEVER), step[n])
-            add(size, born[n], end, by_node=True)
-        elif n not in candidate_set:
-            end = fw_last_read.get(n, NEVER)
-            add(size, step[n], max(end, step[n]), by_node=True)
-
+    reads = _reads(phases, candidate_set, reads_of)
+    fixed = _FixedBytes(phases.num_steps)
+    _add_fixed_bytes(fixed, phases, candidate_set, reads, inlined, fuse)
+    backward = set(phases.backward_nodes)
     # Estimated run time of each step's node: how long an offload copy overlaps compute.
-    step_time_s = [estimate_node_time_s(n, profile) if (n in required_fw or n in bw_set) else 0.0
-                   for n in forward_nodes + backward_nodes] if store.offload else [0.0] * num_steps
-    can_pin = [n in required_fw and is_materialised(n) for n in forward_nodes] if store.offload else []
-    store_choices, created_at, not_stored, must_be_exact = [], [], [], []
-    names, nbytes, costs, can_keep, can_recompute, bans, keep_bans = [], [], [], [], [], [], []
-    first_read, last_read, keep_from, recompute_from, reads, view_of = [], [], [], [], [], []
-    cost_of_unit: dict[fx.Node, float | None] = {}
-    backward_start = len(forward_nodes)
-    # MUST_SAVE on a view of an activation pins the storage it views: the base is saved and the
-    # (free) view recomputed from it.
-    pinned_bases = {root[c] for c in candidates
-                    if _alias_base(c) is not None and checkpoint_policy(compute_unit(c)) == "MUST_SAVE"}
-    for c in candidates:
-        base = _alias_base(c)
-        own_bytes = 0 if base is not None else tensor_nbytes(c.meta.get("val"))
-        in_forward = c in required_fw
-        fw_end = max(fw_last_read.get(c, NEVER), step[c]) if in_forward else NEVER
-        if in_forward and own_bytes:
-            add(own_bytes, born[c], fw_end, by_node=True)  # forward lifetime: the same whatever we decide
-        unit = compute_unit(c)
-        if unit not in cost_of_unit:
-            # Unclaimed nodes (forward values only the backward reads) run once either way:
-            # computing them in backward is not a re-computation.
-            cost_of_unit[unit] = _recompute_cost_s(unit, profile) if in_forward else 0.0
-        ban = _recompute_ban(c)
-        is_view_of_activation = base is not None and root[c] not in primal_set
-        if is_view_of_activation and ban == MUST_SAVE:
-            ban = ""
-        elif c in pinned_bases and not ban:
-            ban = MUST_SAVE
-        if not ban and cost_of_unit[unit] is None:
-            ban = NO_COST
-        if ban and must_recompute(c):
-            log.warning("memcompile: %s is marked MUST_RECOMPUTE but cannot be recomputed (%s): it is kept",
-                        c.name, ban)
-            ban += "; its MUST_RECOMPUTE cannot be honoured"
-        cost = cost_of_unit[unit] or 0.0
-        names.append(c.name)
-        nbytes.append(own_bytes)
-        costs.append(cost)
-        # Keeping a view of an activation would pin its base: recompute the (free) view instead.
-        # Keeping an unclaimed node would run it (and its inputs' lifetimes) at the end of
-        # forward, which the model does not describe: compute it in backward instead.
-        # The user's MUST_RECOMPUTE forbids keeping, where recomputing is allowed at all.
-        if ban:
-            keep_ban = ""  # keeping is the only way left (the solver needs one of the two)
-        elif is_view_of_activation:
-            keep_ban = VIEW_OF_ACTIVATION
-        elif must_recompute(c):
-            keep_ban = MUST_RECOMPUTE_REASON
-        elif not in_forward:
-            keep_ban = "computed in backward only"
-        else:
-            keep_ban = ""
-        can_keep.append(keep_ban == "")
-        keep_bans.append(keep_ban)
-        can_recompute.append(ban == "")
-        bans.append(ban)
-        first_read.append(bw_first_read.get(c, num_steps))
-        last_read.append(bw_last_read.get(c, NEVER))
-        keep_from.append(fw_end + 1 if in_forward else step[c])
-        recompute_from.append(max(backward_start, fw_end + 1))
-        reads.append(tuple(sorted({index[i] for i in recompute_inputs(c)})))
-        view_of.append(index[base] if base in index else -1)
-        created_at.append(step[c])
-        if can_keep[-1] and keep_from[-1] < num_steps:  # held across the gap: other forms may apply
-            choices, why = store_choices_for(c, own_bytes, profile, store)
-            choices = tuple(_with_transfer_window(ch, step[c], fw_end, bw_first_read.get(c, num_steps),
-                                                  forward_nodes, step_time_s, can_pin) for ch in choices)
-        else:
-            choices, why = (), ""
-        store_choices.append(choices)
-        not_stored.append(why)
-        must_be_exact.append(any(error_sensitivity(c, fmt) for fmt in store.formats))
-
-    running, fixed_bytes = 0, []
-    for t in range(num_steps):
-        running += fixed[t]
-        fixed_bytes.append(running)
-    fixed_before = tuple(f - b for f, b in zip(fixed_bytes, allocated_by_node))
-    # Results of one multi-result op that the backward reads (attention's output and log-sum-exp)
-    # are recomputed together or not at all: one run of the op makes them all. Its time is
-    # charged once, to the first of them.
-    same_op_as = [-1] * len(candidates)
-    groups: dict[fx.Node, list[int]] = {}
-    for i, c in enumerate(candidates):
-        if is_getitem(c) and can_recompute[i] and c in bw_first_read:
-            groups.setdefault(compute_unit(c), []).append(i)
-    for members in groups.values():
-        if len(members) > 1:
-            for i in members:
-                same_op_as[i] = members[0]
-                costs[i] = costs[i] if i == members[0] else 0.0
+    step_time_s = [estimate_node_time_s(n, profile) if (n in phases.required_fw or n in backward) else 0.0
+                   for n in phases.forward_nodes + phases.backward_nodes] if store.offload else [0.0] * phases.num_steps
+    rows = _candidate_rows(phases, candidates, reads, fixed, profile, store, step_time_s)
+    same_op_as = _same_op_groups(candidates, rows, reads)
+    fixed_bytes = fixed.per_step()
+    backward_start = len(phases.forward_nodes)
+    stores = any(rows.store_choices)
     problem = ActivationProblem(
-        names=tuple(names),
-        nbytes=tuple(nbytes),
-        recompute_cost_s=tuple(costs),
-        can_keep=tuple(can_keep),
-        can_recompute=tuple(can_recompute),
-        first_read=tuple(first_read),
-        last_read=tuple(last_read),
-        keep_from=tuple(keep_from),
-        recompute_from=tuple(recompute_from),
-        recompute_reads=tuple(reads),
-        view_of=tuple(view_of),
-        fixed_bytes=tuple(fixed_bytes),
-        fixed_before_node_bytes=fixed_before,
-        store_choices=tuple(store_choices) if any(store_choices) else (),
-        created_at=tuple(created_at) if any(store_choices) else (),
-        must_be_exact=tuple(must_be_exact) if any(store_choices) and any(must_be_exact) else (),
+        names=tuple(rows.names),
+        nbytes=tuple(rows.nbytes),
+        recompute_cost_s=tuple(rows.costs),
+        can_keep=tuple(rows.can_keep),
+        can_recompute=tuple(rows.can_recompute),
+        first_read=tuple(rows.first_read),
+        last_read=tuple(rows.last_read),
+        keep_from=tuple(rows.keep_from),
+        recompute_from=tuple(rows.recompute_from),
+        recompute_reads=tuple(rows.reads),
+        view_of=tuple(rows.view_of),
+        fixed_bytes=fixed_bytes,
+        fixed_before_node_bytes=tuple(f - b for f, b in zip(fixed_bytes, fixed.allocated_by_node)),
+        store_choices=tuple(rows.store_choices) if stores else (),
+        created_at=tuple(rows.created_at) if stores else (),
+        must_be_exact=tuple(rows.must_be_exact) if stores and any(rows.must_be_exact) else (),
         # Copies hide behind only part of the compute (profile.copy_overlap, measured).
         forward_compute_s=profile.copy_overlap * sum(step_time_s[:backward_start]),
         backward_compute_s=profile.copy_overlap * sum(step_time_s[backward_start:]),
@@ -404,11 +505,11 @@ def analyze_joint_graph(
     return JointAnalysis(
         problem=problem,
         candidates=tuple(candidates),
-        primals=primals,
-        forward_nodes=forward_nodes,
-        backward_nodes=backward_nodes,
+        primals=phases.primals,
+        forward_nodes=phases.forward_nodes,
+        backward_nodes=phases.backward_nodes,
         static_lifetime_inputs=frozenset(tp.static_lifetime_nodes(joint, static_lifetime_input_indices)),
-        cannot_recompute_reason=tuple(bans),
-        cannot_keep_reason=tuple(keep_bans),
-        not_stored_reason=tuple(not_stored),
+        cannot_recompute_reason=tuple(rows.bans),
+        cannot_keep_reason=tuple(rows.keep_bans),
+        not_stored_reason=tuple(rows.not_stored),
     )
