@@ -537,25 +537,40 @@ def _search(
     # the calibrated model the solver's decisions were made on
     analysis = replanner.analysis if plain is None and isinstance(chosen.solution, ActivationSolution) else None
 
-    stock_rules = chosen is plain
-    if isinstance(chosen.solution, StockSolution) and fuse and not stock_rules:
-        # PyTorch's partition under memcompile's Inductor rules is not PyTorch's compile: BERT
-        # small at the 0.8 partition's peak, 1.019x [1.007-1.030] the step where PyTorch's ran
-        # 0.997x (`benchmarks/decisive_points.py`, bert: --variants amb:0.8,mc:16104072, the
-        # results' decisive_bert_small_asfast). Where it fits under Inductor's own rules,
-        # it runs under them.
-        as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs,
-                                      _stock_rules(_checks_schedule(options)), options.allocator_rounding,
-                                      options.boundary_bytes)
-        if as_stock.peak_bytes <= budget:
-            chosen, stock_rules = dataclasses.replace(chosen, timeline=as_stock), True
-    after = chosen.timeline
-    sol = chosen.solution
-    request.solution = sol
+    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, chosen is plain, fuse, num_fwd_outputs, options)
+    request.solution = chosen.solution
     request.deferred = None if chosen.checked else DeferredCheck(
         num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget,
         adjacent_reuse=inductor_rules_for(options).adjacent_reuse)
-    plan = Plan(
+    decisions = (chosen.solution.rows if isinstance(chosen.solution, StockSolution)
+                 else _decisions(analysis or analysis_now(), chosen.solution))
+    plan = _plan_record(graph_id, options, chosen, before, decisions, solve_s, stock_rules, check_s[0])
+    log.debug("%s", plan.summary())
+    return chosen.forward, chosen.backward, plan
+
+
+def _under_stock_rules_where_it_fits(chosen: _Attempt, stock_rules: bool, fuse: bool, num_fwd_outputs: int,
+                                     options: Options) -> tuple[_Attempt, bool]:
+    """PyTorch's partition under memcompile's Inductor rules is not PyTorch's compile: BERT
+    small at the 0.8 partition's peak, 1.019x [1.007-1.030] the step where PyTorch's ran 0.997x
+    (`benchmarks/decisive_points.py`, bert: --variants amb:0.8,mc:16104072, the results'
+    decisive_bert_small_asfast). Where it fits under Inductor's own rules, it runs under them:
+    (the attempt checked so, True); else as it was."""
+    if not isinstance(chosen.solution, StockSolution) or not fuse or stock_rules:
+        return chosen, stock_rules
+    as_stock = predicted_liveness(chosen.forward, chosen.backward, num_fwd_outputs,
+                                  _stock_rules(_checks_schedule(options)), options.allocator_rounding,
+                                  options.boundary_bytes)
+    if as_stock.peak_bytes <= options.step_budget_bytes:
+        return dataclasses.replace(chosen, timeline=as_stock), True
+    return chosen, stock_rules
+
+
+def _plan_record(graph_id: str, options: Options, chosen: _Attempt, before: LivenessTimeline,
+                 decisions: tuple[Decision, ...], solve_s: float, stock_rules: bool, check_s: float) -> Plan:
+    """The plan a graph runs with, as the user reads it (memcompile.dump)."""
+    sol, after = chosen.solution, chosen.timeline
+    return Plan(
         graph_id=graph_id,
         budget_bytes=options.budget_bytes,
         reserve_bytes=options.reserve_bytes,
@@ -566,7 +581,7 @@ def _search(
         peak_phase=after.peak_step.phase,
         peak_node=after.peak_step.node,
         peak_breakdown=after.peak_breakdown,
-        decisions=sol.rows if isinstance(sol, StockSolution) else _decisions(analysis or analysis_now(), sol),
+        decisions=decisions,
         added_time_s=sol.added_time_s,
         solver_status=sol.status,
         solve_s=solve_s,
@@ -577,7 +592,7 @@ def _search(
         budget_source=options.budget_source,
         optimizer_reserve_bytes=options.optimizer_reserve_bytes,
         optimizer_source=options.optimizer_source,
-        check_s=check_s[0],
+        check_s=check_s,
         live_categories_after=after.category_series(),
         peak_tensors=after.peak_tensors,
         backward_from_step=after.backward_start(),
@@ -585,8 +600,6 @@ def _search(
         eager_outside_bytes=options.eager_outside_bytes,
         eager_where=options.eager_where,
     )
-    log.debug("%s", plan.summary())
-    return chosen.forward, chosen.backward, plan
 
 
 # PyTorch's own min-cut partition, at these activation_memory_budget fractions, is a candidate
