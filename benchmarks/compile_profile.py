@@ -29,7 +29,7 @@ import hf_models  # noqa: E402
 import memcompile  # noqa: E402
 
 STAGES = ("planner.py:.*\\(_plan_joint_graph\\)", "planner.py:.*\\(fit\\)", "planner.py:.*\\(least_peak_and_solve_s\\)",
-          "planner.py:.*\\(_rewrite_and_check\\)", "_torch_private.py:.*\\(inductor_schedule\\)",
+          "planner.py:.*\\(_rewrite_and_check\\)", "_torch_private/lowering.py:.*\\(inductor_schedule\\)",
           "planner.py:.*\\(_descend_on_check\\)", "planner.py:.*\\(_make\\)", "op_timing.py:.*\\(_time\\)",
           "compile_fx.py:.*\\(compile_fx_inner\\)")
 

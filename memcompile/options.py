@@ -82,10 +82,10 @@ class Experiments:
     # Compute-bound ops are timed on the CPU, not priced by the roofline (cost_models/op_timing.py).
     time_ops: bool = True  # MEMCOMPILE_TIME_OPS
     # In planned graphs Inductor does not fuse kernels where the fusion holds a large buffer
-    # longer (_torch_private: the fusion rules).
+    # longer (passes/fusion_refusals.py, hooked in by _torch_private/inductor_hooks.py).
     lifetime_fusion: bool = True  # MEMCOMPILE_LIFETIME_FUSION
     # In planned graphs Inductor's wrapper reuses a freed buffer only for the next kernel's
-    # allocation (_torch_private: the reuse rule).
+    # allocation (_torch_private/inductor_hooks.py: the reuse rule).
     adjacent_reuse: bool = True  # MEMCOMPILE_ADJACENT_REUSE
 
 

@@ -61,7 +61,7 @@ def find_backend(compiled: object, max_depth: int = 8, max_objects: int = 5000):
 
     torch keeps it a few private attributes deep (module -> compile context -> frame callbacks ->
     backend wrappers). Naming those attributes would tie this to one torch release and put private
-    torch API outside _torch_private.py, so search the object's attributes and closures instead.
+    torch API outside _torch_private/, so search the object's attributes and closures instead.
     """
     seen: set[int] = set()
     frontier: list[object] = [compiled]

@@ -10,8 +10,9 @@ were fused with layer 1's (they read the same saved cos/sin and mask) and comput
 the backward, held across all of layer 1's backward; and the three 688 KiB outputs of one fused
 MLP-backward kernel coexisted where the graph order let each reuse the previous one's memory.
 The liveness over this schedule (passes/liveness.py `analyze_scheduled_liveness`) sees both.
-Built in two steps: `memcompile._torch_private.inductor_schedule` lowers and schedules the graph
-(no code generation) and reads the scheduler's nodes and buffers into plain facts (ScheduleFacts);
+Built in two steps: `memcompile._torch_private.inductor_schedule` (_torch_private/lowering.py)
+lowers and schedules the graph (no code generation) and _torch_private/scheduler_facts.py reads
+the scheduler's nodes and buffers into plain facts (ScheduleFacts);
 `schedule_from_facts` here decides from them what Inductor's wrapper will allocate, free and write
 in place (the rules of its scheduler and C++ backend, named at each).
 """
@@ -70,7 +71,7 @@ class InductorSchedule:
     unaligned_inputs: frozenset[str] = frozenset()
 
 
-# -- what the seam reads off Inductor's scheduler (memcompile._torch_private._schedule_facts) ------
+# -- what the seam reads off Inductor's scheduler (_torch_private/scheduler_facts.py) -------------
 # Layout kinds of a buffer's IR node (its get_output_spec()), the ones the rules below tell apart.
 LAYOUT_PLAIN = "plain"  # a storage of its own (FixedLayout, FlexibleLayout...)
 LAYOUT_NONE = "none"  # no tensor (a mutation's result, a call returning nothing)

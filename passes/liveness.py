@@ -461,7 +461,7 @@ def _pool_reuses(nodes: list[fx.Node], creates: dict[fx.Node, list[str]], live: 
             if node in allocates and key not in taken and bucket:
                 old, freed_at = bucket.pop()
                 if adjacent_reuse and estimate is not None:
-                    # memcompile's rule in its graphs (_torch_private.install_reuse_rule), over
+                    # memcompile's rule in its graphs (_torch_private/inductor_hooks.py), over
                     # Inductor's kernels; the graph-order count keeps taking every reuse (a bound)
                     reused = freed_at + 1 == step
                 else:

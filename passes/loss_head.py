@@ -80,7 +80,7 @@ _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 # (factor 2) added 4-5% to the step, 4 chunks (4) 1-2%, 2 chunks (8) 0.4-1%, within a noise of
 # ~1% (benchmarks/chunk_count_speed.py). The smallest budget with 4 chunks was no higher than
 # with 8 on GPT-2, BERT and Llama small (8.95, 9.56, 10.26 MiB, before the recompute fusion limit
-# of _torch_private), and with 2 higher on GPT-2 and Llama (9.37, 10.54 MiB): the pareto.py probe
+# of passes/fusion_refusals.py), and with 2 higher on GPT-2 and Llama (9.37, 10.54 MiB): the pareto.py probe
 # child (budget 1) with this constant set before the compile.
 _CHUNK_LOGITS_OVER_HIDDEN = 4
 _MAX_CHUNKS = 16

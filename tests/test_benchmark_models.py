@@ -103,13 +103,13 @@ def test_pareto_pairs_a_pytorch_peak_with_the_floor_run_when_its_group_fell_belo
 def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
     """Llama's layers read the same saved RoPE cos/sin: Inductor fused layer 0's recomputed keys
     with layer 1's and ran them at the top of the backward. With recomputations kept where the
-    rewrite puts them (_torch_private.inductor_rules) the smallest budget is lower, and a
-    plan at it is measured within it. The comparison runs under Inductor's own buffer reuse
+    rewrite puts them (_torch_private.inductor_rules, passes/fusion_refusals.py) the smallest
+    budget is lower, and a plan at it is measured within it. The comparison runs under Inductor's own buffer reuse
     (MEMCOMPILE_ADJACENT_REUSE=0): with memcompile's, Llama tiny's two floors are equal (1,318,952
     B), the early kernels' buffers no longer held for later allocations. MLP and loss-head chunking
     off: they are other searches (each floor 2.5x slower with them), the floors the same
     (1,318,952 against 1,373,736 B with Inductor's rule only, AVX-512, session 20)."""
-    from memcompile import _torch_private as tp
+    from memcompile.passes import fusion_refusals
 
     unchunked = dict(time_limit_s=5, chunk_mlp=False, chunk_loss=False)
 
@@ -123,7 +123,7 @@ def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
 
     stock_reuse = memcompile.Experiments(adjacent_reuse=False)
     limited_stock_reuse = floor(stock_reuse)
-    monkeypatch.setattr(tp, "RECOMPUTE_FUSION_DISTANCE", 10**9)  # Inductor's own rule only
+    monkeypatch.setattr(fusion_refusals, "RECOMPUTE_FUSION_DISTANCE", 10**9)  # Inductor's own rule only
     unlimited = floor(stock_reuse)
     monkeypatch.undo()
     assert limited_stock_reuse < unlimited

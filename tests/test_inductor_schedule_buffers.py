@@ -1,4 +1,4 @@
-"""Buffers of Inductor's schedule (memcompile._torch_private.inductor_schedule) that its C++
+"""Buffers of Inductor's schedule (memcompile._torch_private: inductor_schedule) that its C++
 wrapper allocates although no other kernel reads them: lowering and scheduling only, no code
 generation (fast), checked against what the generated wrapper allocated when this was written
 (GPT-2 small's backward: `buf0 = empty_strided_cpu((512, 1), ...)` for the fused log-softmax
@@ -18,8 +18,9 @@ import torch.nn as nn
 
 import memcompile
 from memcompile import _torch_private as tp
+from memcompile._torch_private import inductor_hooks, scheduler_facts
 from memcompile import planner
-from memcompile.passes import liveness
+from memcompile.passes import fusion_refusals, liveness
 
 pytestmark = pytest.mark.inductor
 
@@ -178,7 +179,7 @@ def test_in_place_donors_are_the_inputs_inductor_writes_over_and_the_check_meets
     assert kinds == ({expected_donor} if expected_donor else set()), (case, reuses)
     if expected_donor is None:
         # the kernel does read the mm's result, which dies there: only the two indices refuse it
-        monkeypatch.setattr(tp, "_one_access_in_kernel", lambda *args: True)
+        monkeypatch.setattr(scheduler_facts, "_one_access_in_kernel", lambda *args: True)
         assert _in_place_pairs(tp.inductor_schedule(graph, is_backward=False))
         monkeypatch.undo()
 
@@ -245,7 +246,7 @@ def test_no_class_of_inductor_stays_patched_after_a_memcompile_compile():
     before = (InductorChoices.__dict__["can_fuse_horizontal"], InductorChoices.__dict__["can_fuse_vertical"],
               AllocateLine.__dict__["should_reuse_buffer"])
     installed = []
-    real_install = tp._install_fusion_rules
+    real_install = inductor_hooks._install_fusion_rules
 
     def install():
         restore = real_install()
@@ -255,7 +256,7 @@ def test_no_class_of_inductor_stays_patched_after_a_memcompile_compile():
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     x = torch.randn(16, 32, requires_grad=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tp, "_install_fusion_rules", install)
+        patch.setattr(inductor_hooks, "_install_fusion_rules", install)
         torch.compile(model, backend=memcompile.budget(10**9))(x).sum().backward()
     assert installed and all(installed), "the rules were not in force during memcompile's compile"
     after = (InductorChoices.__dict__["can_fuse_horizontal"], InductorChoices.__dict__["can_fuse_vertical"],
@@ -290,7 +291,7 @@ def test_a_recomputed_reader_is_not_fused_into_a_producer_far_before_it(inductor
 
     made_in, read_in, peak = schedule_and_peak()
     assert made_in == read_in - 1, (made_in, read_in)
-    monkeypatch.setattr(tp, "RECOMPUTE_VERTICAL_GAP", 10**9)
+    monkeypatch.setattr(fusion_refusals, "RECOMPUTE_VERTICAL_GAP", 10**9)
     fused_in, _, fused_peak = schedule_and_peak()
     assert fused_in == 0
     assert fused_peak > peak, (fused_peak, peak)  # the late buffer held across the temporaries
@@ -353,7 +354,7 @@ def test_graphs_memcompile_did_not_plan_fuse_as_stock_inductor(inductor_rules, m
     with_rule = kernels_generated()
     with tp.inductor_rules(tp.InductorRules(lifetime_fusion=False)):
         assert kernels_generated() == with_rule
-    monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
+    monkeypatch.setattr(inductor_hooks, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
     assert kernels_generated() == with_rule + 1  # the product and the up gradient apart
     torch.compiler.reset()
 
@@ -386,7 +387,7 @@ def test_in_planned_graphs_the_wrapper_reuses_a_dead_buffer_only_for_the_next_ke
 
     stock = reuses()
     assert stock  # among them the last result, held for in the dead sin(x)'s memory
-    monkeypatch.setattr(tp, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
+    monkeypatch.setattr(inductor_hooks, "_planned_graph_now", lambda: True)  # as if memcompile had planned it
     planned = reuses()
     assert set(planned) < set(stock), (planned, stock)  # only reuses by the next kernel remain
     with tp.inductor_rules(tp.InductorRules(adjacent_reuse=False)):
