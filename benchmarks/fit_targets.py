@@ -68,7 +68,7 @@ def main() -> None:
         torch.compiler.reset()
     replanner = replanner_of(bench, memcompile.budget(int(keep_all_peak * 0.9), time_limit_s=args.time_limit))
     problem = replanner.uncalibrated if args.uncalibrated else replanner.analysis.problem
-    fuse = planner._runs_under_inductor(replanner.options)
+    fuse = planner._checks_schedule(replanner.options)
 
     def check(solution):
         return planner._rewrite_and_check(replanner.joint, replanner.analysis, solution,

@@ -44,7 +44,7 @@ def main() -> None:
     backend = memcompile.budget(int(args.budget_mib * MIB), time_limit_s=args.time_limit, chunk_loss=True)
     replanner = replanner_of(bench, backend)
     problem = replanner.analysis.problem
-    fuse = planner._runs_under_inductor(replanner.options)
+    fuse = planner._checks_schedule(replanner.options)
 
     def check(solution):
         timeline = planner._rewrite_and_check(replanner.joint, replanner.analysis, solution,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import memcompile
+from memcompile import _torch_private as tp
 from memcompile.passes.liveness import OP_SCRATCH_BYTES, analyze_liveness
 
 
@@ -85,5 +86,5 @@ def test_a_scatter_into_a_dying_temporary_takes_its_buffer_as_inductors_copy_doe
     apart = forward_peak(analyze_liveness(fw, bw, 1))
     in_place = forward_peak(analyze_liveness(fw, bw, 1, scatters_in_place=True))
     assert apart - in_place == mib
-    scheduled = forward_peak(predicted_liveness(fw, bw, 1, True))
+    scheduled = forward_peak(predicted_liveness(fw, bw, 1, tp.PLANNED_RULES))
     assert abs(scheduled - in_place) < mib // 8

@@ -213,14 +213,14 @@ def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
         return dataclasses.replace(keep_all, solution=solution, timeline=dataclasses.replace(keep_all.timeline, peak_bytes=peak))
 
     monkeypatch.setattr(planner, "_rewrite_and_check", fake_check)
-    result = planner._descend_on_check(replanner.joint, replanner.analysis, replanner.num_fwd_outputs, False, keep_all)
+    result = planner._descend_on_check(replanner.joint, replanner.analysis, replanner.num_fwd_outputs, None, keep_all)
     assert target in dict(result.solution.stored)
     assert result.timeline.peak_bytes == base - 1000
     assert 0 < len(checks) <= planner._DESCENT_TRIES_WITH_STORE
     # Without store choices only recomputations are tried, and none helps here.
     checks.clear()
     plain = dataclasses.replace(replanner.analysis, problem=dataclasses.replace(problem, store_choices=(), created_at=()))
-    result = planner._descend_on_check(replanner.joint, plain, replanner.num_fwd_outputs, False, keep_all)
+    result = planner._descend_on_check(replanner.joint, plain, replanner.num_fwd_outputs, None, keep_all)
     assert result is keep_all
     assert 0 < len(checks) <= planner._DESCENT_TRIES and all(not dict(d[2]) for d in checks)
 

@@ -1,7 +1,10 @@
 """Private torch APIs live in the package memcompile/_torch_private/ alone."""
 
+import os
 import pathlib
 import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRIVATE = re.compile(r"\btorch\._(?:[a-z]|C\b)")
@@ -86,3 +89,59 @@ def test_importing_memcompile_leaves_dynamo_and_inductor_as_they_are():
                                         "memcompile.budget(10**9)")
     done = subprocess.run([sys.executable, "-c", budget_probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_PLAIN_COMPILE_PROBE = """
+import json, re, sys
+import torch
+import torch.nn as nn
+import torch._inductor.config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+def fused(s, u, dh, dout, x):  # a horizontal fusion memcompile's lifetime rule refuses in its graphs
+    h = s * u
+    return (dout.permute(1, 0) @ h, (dh * s).permute(1, 0) @ x)
+
+def reused(x, w_big, w_wide, w_row):  # a dead buffer Inductor holds for a later allocation, memcompile frees
+    c = (x @ w_big).sum(1, keepdim=True)
+    p = (x + c).sin() @ w_wide
+    return p.sum(1, keepdim=True) @ w_row
+
+torch.manual_seed(0)
+cases = ((fused, (torch.randn(256, 128), torch.randn(256, 128), torch.randn(256, 128), torch.randn(256, 64),
+                  torch.randn(256, 64))),
+         (reused, (torch.randn(128, 128), torch.randn(128, 1024), torch.randn(128, 512), torch.randn(1, 128))))
+if sys.argv[1] == "after_memcompile":
+    import memcompile
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    x = torch.randn(64, 128, requires_grad=True)
+    torch.compile(model, backend=memcompile.budget(10**9, plan_store=False))(x).sum().backward()
+    torch.compiler.reset()
+import memcompile
+code, peaks = [], []
+with inductor_config.patch(fx_graph_cache=False):
+    for fn, args in cases:
+        compiled = torch.compile(fn, fullgraph=True)
+        code += run_and_get_code(compiled, *args)[1]
+        peaks.append(memcompile.measure_peak(lambda: compiled(*args), live_at_start=list(args)).peak_bytes)
+code = [re.sub(r"# AOT ID: .*", "", c) for c in code]  # a counter of the process's compiles
+print(json.dumps({"code": code, "peaks": peaks}))
+"""
+
+
+@pytest.mark.inductor
+def test_a_plain_compile_after_memcompiles_is_as_in_a_fresh_process():
+    """memcompile's Inductor rules end with its compile: a user's plain torch.compile later in the
+    same process generates the same code, and peaks the same, as in a process memcompile never ran in."""
+    import json
+    import subprocess
+    import sys
+
+    runs = {}
+    for mode in ("fresh", "after_memcompile"):
+        done = subprocess.run([sys.executable, "-c", _PLAIN_COMPILE_PROBE, mode], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "MEMCOMPILE_PLAN_STORE": "0"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["fresh"]["code"] and runs["after_memcompile"]["code"] == runs["fresh"]["code"]
+    assert runs["after_memcompile"]["peaks"] == runs["fresh"]["peaks"] and min(runs["fresh"]["peaks"]) > 0

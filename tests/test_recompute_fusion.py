@@ -11,6 +11,7 @@ import torch.nn as nn
 from hypothesis import Phase, given, settings, strategies as st
 
 import memcompile
+from memcompile import _torch_private as tp
 from memcompile import planner
 from memcompile.cost_models.device import profile_for
 from memcompile.passes.activation_analysis import analyze_joint_graph
@@ -140,13 +141,13 @@ def test_the_model_of_inlined_values_agrees_with_the_check(monkeypatch_module, d
 
     def checked_peak(problem):
         solution = ActivationSolution(*recompute_all, evaluate(problem, *recompute_all)[0], 0.0, "fits", 0.0, 0.0)
-        return planner._rewrite_and_check(joint, refined, solution, num_fwd_outputs, fuse=True).timeline.peak_bytes
+        return planner._rewrite_and_check(joint, refined, solution, num_fwd_outputs, fuse=tp.PLANNED_RULES).timeline.peak_bytes
 
     # Calibrated to the keep-all check, as the planner does, both models are exact at keep-all;
     # with everything recomputed the refined one is within two GELU values of the check (what
     # Inductor's schedule reorders), the plain one charges the chain's values as buffers.
     baseline = planner._rewrite_and_check(
-        joint, refined, ActivationSolution(*keep_all, 0, 0.0, "fits", 0.0, 0.0), num_fwd_outputs, fuse=True)
+        joint, refined, ActivationSolution(*keep_all, 0, 0.0, "fits", 0.0, 0.0), num_fwd_outputs, fuse=tp.PLANNED_RULES)
     plain = planner._calibrated_to(analysis, baseline).problem
     fused = planner._calibrated_to(refined, baseline).problem
     check = checked_peak(fused)
