@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import copy
 import dataclasses
 import itertools
 import logging
@@ -23,9 +22,8 @@ from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes
 from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
-from memcompile.passes.chunking import ChunkPattern, apply_chunking, find_matches
-from memcompile.passes.loss_head import LOSS_HEAD, LossHead, with_logits_gradients
-from memcompile.passes.mlp_chunk import MLP, MlpBlock
+from memcompile.passes.chunking import find_matches
+from memcompile.passes.loss_head import LossHead, with_logits_gradients
 from memcompile import plan_store
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import (InfeasibleBudgetError, PlannedOnly, PlanningFailedError, StepOverrunError,
@@ -36,6 +34,8 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, TextEnum, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
+from memcompile.region_rewrites import (Rewrite, RewriteState, apply_rewrite, initial_rewrites, pending_rewrites,
+                                        rewrite_named)
 from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, cost_profile, held_bytes,
                                 inductor_rules_for,
                                 plan_joint_graph, planning_environment, predicted_inference_peak)
@@ -149,6 +149,16 @@ class _Variant:
         return footprint_of(self.plan, self.inputs, held_by_caller)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """What trying a rewrite changes in a region, to go back to it: the rewritten graph, and the
+    latest compile's replanner and the variants compiled since."""
+
+    rewrites: RewriteState
+    replanner: Replanner | None
+    variants: dict[tuple, _Variant]
+
+
 class _PlannedFor(TextEnum):
     """What a variant was planned for: the head of its key in _Region.variants."""
 
@@ -206,18 +216,8 @@ class _Region:
         self.called_mid_step = _holds_activations(arguments)
         self.own_leaf_ids = tp.graph_input_ids(gm)
         backend.ledger.note_frame_leaves(_module_parameters(arguments))
-        self.loss_heads: tuple[LossHead, ...] = ()
-        self.mlps: tuple[MlpBlock, ...] = ()
-        self.reasons: dict[str, str] = {}  # why "auto" applied a rewrite, by its attribute (for the plan)
-        self.chunk_limits: dict[str, int | None] = {}  # the chunk limit each applied rewrite took (None: finest)
-        self.searched_least_peak = True
-        for rewrite in _REWRITES:
-            if getattr(backend.options, rewrite.option) is True:
-                gm, found = apply_chunking(gm, rewrite.pattern)
-                setattr(self, rewrite.attr, found)
-        self.gm = gm
-        self.pristine_graph = copy.deepcopy(gm.graph)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.rewrites = initial_rewrites(gm, backend.options)  # the graph as rewritten so far
+        placeholders = [n for n in self.rewrites.gm.graph.nodes if n.op == "placeholder"]
         fakes = [n.meta.get("example_value") for n in placeholders]
         # Fake inputs (never the user's real tensors: holding those would cost memory).
         self.fake_inputs = fakes if len(fakes) == len(example_inputs) and all(f is not None for f in fakes) else None
@@ -276,7 +276,7 @@ class _Region:
             # Until a step is measured, a step's one region holds room as its backward starts
             # for the gradient of what it returns: a loss computed on returned logits makes at
             # least that (the log-softmax it saves), beside the gradient its backward counts.
-            returned = _returned_gradient_bytes(self.gm)
+            returned = _returned_gradient_bytes(self.rewrites.gm)
             if returned:
                 self.boundary_bytes = returned
                 self.boundary_where = "not measured yet: the size of the outputs it returns that need a gradient"
@@ -284,13 +284,14 @@ class _Region:
 
         def compile_for(o: int, search_least_peak: bool = True, partitions_only: bool = False,
                         rewrite_first_s: float | None = None) -> _Variant:
-            variant = self._compile((kind, o, self._sizes_key()), o, self.gm, example_inputs,
+            variant = self._compile((kind, o, self._sizes_key()), o, self.rewrites.gm, example_inputs,
                                     PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
                                                 partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
                                                 defer_check=backend.options.codegen == "inductor"
                                                 and not backend.plan_only),
                                     autograd_cache=not cautious)
-            self.searched_least_peak = search_least_peak  # the request the kept compile made (a ladder replays it)
+            # the request the kept compile made (a ladder replays it)
+            self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
             return variant
 
         # Where a rewrite could lower the floor (a chunked loss head, chunked MLPs), a graph no
@@ -353,12 +354,12 @@ class _Region:
 
     def _cheap_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The estimated added time of the first pending rewrite where it is one also tried when a
-        plan fits without it (the loss head: _Rewrite.when_faster); None otherwise."""
+        plan fits without it (the loss head: Rewrite.when_faster); None otherwise."""
         pending = self._pending_rewrites()
         if not pending or not pending[0].when_faster:
             return None
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
-        return sum(x.added_time_s(profile) for x in find_matches(self.gm.graph, pending[0].pattern))
+        return sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, pending[0].pattern))
 
     def _finish_first(self, ladder_key: str | None, outside: int) -> None:
         if ladder_key is not None:
@@ -381,10 +382,9 @@ class _Region:
                     whole_step=error.whole_step))
             raise
 
-    def _pending_rewrites(self) -> list["_Rewrite"]:
+    def _pending_rewrites(self) -> list[Rewrite]:
         """The "auto" rewrites not applied yet that would change this region's graph."""
-        return [r for r in _REWRITES if getattr(self.backend.options, r.option) == "auto" and not getattr(self, r.attr)
-                and find_matches(self.gm.graph, r.pattern)]
+        return pending_rewrites(self.rewrites, self.backend.options)
 
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
                         whole_error: InfeasibleBudgetError | None, coarse: bool = True,
@@ -397,7 +397,7 @@ class _Region:
         searched (from the most rewritten: a least-peak plan of one may fit), and the error names
         the smallest of their smallest budgets. Deferring the searches saved 25 of a 63 s first
         call on Llama small at 9.91 MiB (benchmarks/compile_profile.py). With `coarse`, a
-        rewrite with coarser variants (_Rewrite.coarse_first) tries those first (_plan_coarse).
+        rewrite with coarser variants (Rewrite.coarse_first) tries those first (_plan_coarse).
         Once one graph's least peak is known, the graphs before it are tried only for the least
         peak of PyTorch's partitions (PlanRequest.partitions_only: a rewrite seldom raises the
         solver's least peak, but a partition's kernel order can be lower: GPT style, 12 layers,
@@ -412,7 +412,7 @@ class _Region:
         where not because no plan fits without it (PlanRequest.rewrite_first_s)."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
-        unsearched = [(self._head_state(), whole_floor_at_least)] if deferred and not only_last else []
+        unsearched = [(self._saved(), whole_floor_at_least)] if deferred and not only_last else []
         pending = self._pending_rewrites()
         for i, rewrite in enumerate(pending):
             reason = ("the inputs and their gradients alone exceed the budget" if only_last
@@ -423,17 +423,17 @@ class _Region:
                 if fitted is not None:
                     return fitted
             self._apply(rewrite)
-            self.reasons[rewrite.attr] = reason
+            self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
             logs.rung(f"{rewrite.what} chunked ({reason})")
-            log.debug("memcompile: %s; chunking %s: %s", self.reasons[rewrite.attr], rewrite.what,
-                      "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
+            log.debug("memcompile: %s; chunking %s: %s", reason, rewrite.what,
+                      "; ".join(x.describe() for x in self.rewrites.matches(rewrite.kind)))
             search = not deferred or i == len(pending) - 1
             if only_last and not search:
                 continue
             try:
                 return self._plan_for_position(position, outside, lambda o, search=search: compile_for(o, search))
             except NoSolverPlanFits as no_fit:
-                unsearched.append((self._head_state(), no_fit.floor_at_least))
+                unsearched.append((self._saved(), no_fit.floor_at_least))
             except InfeasibleBudgetError as error:
                 errors.append(error)
         for state, floor_at_least in reversed(unsearched):
@@ -441,7 +441,7 @@ class _Region:
                 log.debug("memcompile: a graph of the ladder needs at least %d bytes, no less than the floor "
                           "found: not searched", floor_at_least)
                 continue
-            self._restore_head_state(state)
+            self._restore(state)
             logs.rung("the least peak of PyTorch's partitions of the graphs before" if errors
                       else "the least-peak search of the graphs tried")
             try:
@@ -450,26 +450,27 @@ class _Region:
                 errors.append(error)
         raise min(errors, key=lambda e: e.min_feasible_bytes)
 
-    def _plan_coarse(self, rewrite: "_Rewrite", reason: str, position: int, outside: int,
+    def _plan_coarse(self, rewrite: Rewrite, reason: str, position: int, outside: int,
                      compile_for: Callable[..., _Variant]) -> _Variant | None:
         """The rewrite with fewer, larger chunks (each of rewrite.coarse_first, no least-peak
         search): the first that a solver plan fits, or None with the region as it was. Fewer
         chunks cost less: ViT small at 7.76 MiB ran 1.18x the step with its MLPs in 2 chunks
         against 1.30x in 8 (the finest, what the MLPs' shapes ask for), both within the budget."""
         for limit in rewrite.coarse_first:
-            saved = self._head_state()
+            saved = self._saved()
             if not self._apply(rewrite, limit):
                 return None
-            self.reasons[rewrite.attr] = f"{reason}; at most {limit} chunks (the fewest tried that fit)"
+            self.rewrites = self.rewrites.with_reason(
+                rewrite.kind, f"{reason}; at most {limit} chunks (the fewest tried that fit)")
             logs.rung(f"{rewrite.what} in at most {limit} chunks ({reason})")
             try:
                 return self._plan_for_position(position, outside, lambda o: compile_for(o, False))
             except (NoSolverPlanFits, InfeasibleBudgetError):
                 log.debug("memcompile: no solver plan fits with %s in at most %d chunks", rewrite.what, limit)
-                self._restore_head_state(saved)
+                self._restore(saved)
         return None
 
-    def _rewrite_if_faster(self, rewrite: "_Rewrite", position: int, outside: int,
+    def _rewrite_if_faster(self, rewrite: Rewrite, position: int, outside: int,
                            compile_for: Callable[..., _Variant], device: str) -> None:
         """An "auto" rewrite where the plan without it fits by recomputing: plan the rewritten graph
         too, and keep it if its recomputation plus what the rewrite itself costs is estimated less.
@@ -483,55 +484,49 @@ class _Region:
         plan = current.plan if current is not None else None
         if plan is None or plan.added_time_s <= 0:
             return
-        found = find_matches(self.gm.graph, rewrite.pattern)
+        found = find_matches(self.rewrites.gm.graph, rewrite.pattern)
         rewrite_s = sum(x.added_time_s(cost_profile(self.backend.options, device)) for x in found)
         if not found or plan.added_time_s <= rewrite_s:
             return
-        saved = self._head_state()
+        saved = self._saved()
         self._apply(rewrite)
         logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
-        self.reasons[rewrite.attr] = (
-            f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
-            f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
+        reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
+                  f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
+        self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
         try:
             rewritten = self._plan_for_position(position, outside, compile_for)
         except InfeasibleBudgetError:
             rewritten = None
         if rewritten is not None and rewritten.plan is not None \
                 and rewritten.plan.added_time_s + rewrite_s < plan.added_time_s:
-            log.debug("memcompile: chunking %s (%s): %s", rewrite.what, self.reasons[rewrite.attr],
-                      "; ".join(x.describe() for x in getattr(self, rewrite.attr)))
+            log.debug("memcompile: chunking %s (%s): %s", rewrite.what, reason,
+                      "; ".join(x.describe() for x in self.rewrites.matches(rewrite.kind)))
             self._first = rewritten
             self._forget_plan(plan)
             return
-        self._restore_head_state(saved)
+        self._restore(saved)
         if rewritten is not None and rewritten.plan is not None:
             self._forget_plan(rewritten.plan)
 
-    def _head_state(self) -> tuple:
-        """What rewriting the graph changes, to go back to it as it was."""
-        return (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, dict(self.variants),
-                dict(self.reasons), dict(self.chunk_limits), self.searched_least_peak)
+    def _saved(self) -> _Saved:
+        """What trying a rewrite changes, to go back to it as it was."""
+        return _Saved(self.rewrites, self.replanner, dict(self.variants))
 
-    def _restore_head_state(self, state: tuple) -> None:
-        (self.gm, self.loss_heads, self.mlps, self.pristine_graph, self.replanner, self.variants,
-         self.reasons, self.chunk_limits, self.searched_least_peak) = state
+    def _restore(self, saved: _Saved) -> None:
+        self.rewrites, self.replanner, self.variants = saved.rewrites, saved.replanner, saved.variants
 
     def _forget_plan(self, plan: Plan) -> None:
         """Drop the plan of a compile this region does not use from the backend's list."""
         self.backend.plans[:] = [p for p in self.backend.plans if p is not plan]
 
-    def _apply(self, rewrite: "_Rewrite", max_chunks: int | None = None) -> bool:
-        """Apply a rewrite (passes/chunking.py) for every later compile,
-        into at most `max_chunks` chunks where given; False if it finds nothing to rewrite."""
-        graph = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
-        gm, found = apply_chunking(graph, rewrite.pattern, max_chunks)
-        if not found:
+    def _apply(self, rewrite: Rewrite, max_chunks: int | None = None) -> bool:
+        """Apply a rewrite for every later compile, into at most `max_chunks` chunks where given;
+        False if it finds nothing to rewrite."""
+        rewritten = apply_rewrite(self.rewrites, rewrite, max_chunks)
+        if rewritten is None:
             return False
-        self.gm = gm
-        setattr(self, rewrite.attr, found)
-        self.chunk_limits[rewrite.attr] = max_chunks
-        self.pristine_graph = copy.deepcopy(gm.graph)
+        self.rewrites = rewritten
         return True
 
     def _ladder_key(self, outside: int, what: str = "") -> str | None:
@@ -541,7 +536,7 @@ class _Region:
         if not options.plan_store_dir or self.fake_inputs is None:
             return None
         device = options.device or step_device(self.fake_inputs)
-        return plan_store.outcome_key(self.gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
+        return plan_store.outcome_key(self.rewrites.gm, num_fwd_outputs=-1, static_lifetime_input_indices=None,
                                       options_text=options.describe(),
                                       request_text=f"ladder outside={outside}" + (f" {what}" if what else ""),
                                       environment_text=planning_environment(device))
@@ -554,39 +549,24 @@ class _Region:
         if not stored:
             return None
         moves, search = stored
-        saved = self._head_state()
-        by_attr = {r.attr: r for r in _REWRITES}
-        for attr, limit, reason in moves:
-            rewrite = by_attr.get(attr)
-            if rewrite is None or getattr(self, attr) or not self._apply(rewrite, limit):
-                self._restore_head_state(saved)
+        saved = self._saved()
+        for name, limit, reason in moves:
+            rewrite = rewrite_named(name)
+            if rewrite is None or self.rewrites.matches(rewrite.kind) or not self._apply(rewrite, limit):
+                self._restore(saved)
                 return None
-            self.reasons[attr] = reason
+            self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
             logs.rung(f"{rewrite.what} chunked, as an earlier launch chose ({reason})")
         try:
             return self._plan_for_position(position, outside, lambda o: compile_for(o, search))
         except (NoSolverPlanFits, InfeasibleBudgetError, StepOverrunError):
-            self._restore_head_state(saved)
+            self._restore(saved)
             return None
 
     def _store_ladder(self, key: str) -> None:
-        moves = tuple((r.attr, self.chunk_limits.get(r.attr), self.reasons.get(r.attr, ""))
-                      for r in _REWRITES if getattr(self, r.attr) and getattr(self.backend.options, r.option) == "auto")
+        moves = self.rewrites.ladder_moves(self.backend.options)
         if moves:
-            plan_store.save_ladder(self.backend.options.plan_store_dir, key, moves, self.searched_least_peak)
-
-    def _graph_rewrites(self) -> tuple[str, ...]:
-        """What this region changed in its graph, and why, for the plan."""
-        described = []
-        for rewrite in _REWRITES:
-            reason = self.reasons.get(rewrite.attr, "")
-            described += [x.describe() + (f" ({reason})" if reason else "") for x in getattr(self, rewrite.attr)]
-        return tuple(described)
-
-    def _rewrite_time_s(self, device: str) -> float:
-        """What the changes to this region's graph are estimated to add to the step by themselves."""
-        profile = cost_profile(self.backend.options, device)
-        return sum(x.added_time_s(profile) for rewrite in _REWRITES for x in getattr(self, rewrite.attr))
+            plan_store.save_ladder(self.backend.options.plan_store_dir, key, moves, self.rewrites.searched_least_peak)
 
     def _compiled_key(self, options: Options, request: PlanRequest, gm: fx.GraphModule,
                       example_inputs: Sequence[Any]) -> str | None:
@@ -621,8 +601,9 @@ class _Region:
             scratch = self.backend.compile_scratch
             options = dataclasses.replace(options, reserve_bytes=options.reserve_bytes + outside + scratch,
                                           compile_scratch_bytes=scratch)
-        record = _CompileRecord(request=request, graph_rewrites=self._graph_rewrites(),
-                                rewrite_time_s=self._rewrite_time_s(options.device or step_device(example_inputs)),
+        profile = cost_profile(self.backend.options, options.device or step_device(example_inputs))
+        record = _CompileRecord(request=request, graph_rewrites=self.rewrites.described(),
+                                rewrite_time_s=self.rewrites.added_time_s(profile),
                                 input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
         schedules: list[tp.CompiledSchedule] = []  # the compile's own, for a plan chosen on a bound
         cache_key = self._compiled_key(options, request, gm, example_inputs) if autograd_cache else None
@@ -643,7 +624,7 @@ class _Region:
             if stored is None or stored.kind != plan_store.Outcome.COMPILED:
                 log.debug("memcompile: AOTAutograd's cache had this graph but the plan store not its plan; "
                           "compiling it again")
-                again = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
+                again = self.rewrites.fresh_graph()
                 # (nothing is kept under the key: the cached graphs may be a plan its compile's
                 # schedule did not confirm, which AOTAutograd stored before the check)
                 return self._compile(key, outside, again, example_inputs, request, autograd_cache=False)
@@ -662,7 +643,7 @@ class _Region:
                 log.info("memcompile: %s: PyTorch's partition, chosen on a bound, was not confirmed by its "
                          "compiled schedule; planning again with checks", record.plan.graph_id)
                 self._forget_plan(record.plan)
-                again = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
+                again = self.rewrites.fresh_graph()
                 return self._compile(key, outside, again, example_inputs, dataclasses.replace(request, defer_check=False),
                                      autograd_cache)
             self.backend.plans[:] = [confirmed if p is record.plan else p for p in self.backend.plans]
@@ -674,7 +655,8 @@ class _Region:
             _check_inference_peak(record.inference_peak_bytes, options)
         variant = _Variant(fn, record.plan, record.inputs,
                            request.solution.decisions if request.solution is not None else None,
-                           cautious=request.least_peak, loss_heads=self.loss_heads, from_autograd_cache=from_cache)
+                           cautious=request.least_peak, loss_heads=self.rewrites.loss_heads,
+                           from_autograd_cache=from_cache)
         if request.replanner is not None:
             self.replanner = request.replanner
         if len(self.variants) >= self._MAX_VARIANTS:
@@ -686,7 +668,7 @@ class _Region:
     def _recompile(self, key: tuple, outside: int, request: PlanRequest) -> _Variant:
         if self.fake_inputs is None:
             raise RuntimeError("memcompile: cannot re-plan a graph without fake example inputs")
-        gm = fx.GraphModule(self.gm, copy.deepcopy(self.pristine_graph))
+        gm = self.rewrites.fresh_graph()
         # Compiled at a call, mid-step, outside Dynamo (which keeps the random state around its
         # own compiles): planning times ops and checks plans on random inputs, and the step's
         # random stream (its dropout masks) must not move, or a seeded step would not repeat.
@@ -912,27 +894,6 @@ def _random_state_kept(example_inputs: Sequence[Any]):
         return torch.random.fork_rng(devices=[])
     return torch.random.fork_rng(devices=accelerators, device_type=kinds.pop())
 
-
-@dataclasses.dataclass(frozen=True)
-class _Rewrite:
-    """A graph rewrite a region may apply before compiling, under an option True / False / "auto"."""
-
-    what: str  # for messages
-    option: str  # the Options field
-    attr: str  # the _Region attribute holding what it rewrote (each with describe() and added_time_s())
-    pattern: ChunkPattern  # what it matches and how it rewrites a match (passes/chunking.py)
-    # Also tried where a plan fits without it, if estimated faster. Not for MLPs: their chunked
-    # backward recomputes the up / gate projections, measured 1.25 ms a layer on Llama small
-    # (benchmarks/mlp_chunk_cost.py) where estimated 0.6: applied only where no plan fits without it.
-    when_faster: bool = True
-    # Chunk limits tried first, coarsest first, where no plan fits without the rewrite (as
-    # apply_chunking's max_chunks): the fewest chunks that fit cost the least.
-    coarse_first: tuple[int, ...] = ()
-
-
-# In the order "auto" tries them where no plan fits: the loss head first (cheap to chunk).
-_REWRITES = (_Rewrite("the loss head", "chunk_loss", "loss_heads", LOSS_HEAD),
-             _Rewrite("the MLPs", "chunk_mlp", "mlps", MLP, when_faster=False, coarse_first=(2,)))
 
 # Steps measured at most (memcompile/step_meter.py): the first, and those planned for a larger
 # figure of memory outside the regions than the step before.
