@@ -28,8 +28,7 @@ from memcompile import plan_store
 from memcompile.plan_dump import write_dump_dir
 from memcompile.errors import (InfeasibleBudgetError, PlannedOnly, PlanningFailedError, StepOverrunError,
                                StepOverrunWarning, UnplannedFrameError, UnplannedFrameWarning)
-from memcompile.joint_plan import PlanOption, Position, choose_joint, least_step_peak
-from memcompile.joint_plan import step_peaks as joint_step_peaks
+from memcompile.joint_plan import PlanOption
 from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, input_bytes, saved_bytes_of
 from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, TextEnum, format_bytes, with_input_names
@@ -40,6 +39,7 @@ from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confir
                                 inductor_rules_for,
                                 plan_joint_graph, planning_environment, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
+from memcompile.step_plan import NoStepPlan, StepBudget, choose_step_plan, no_step_plan_error, step_positions
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
 
 log = logging.getLogger("memcompile")
@@ -198,7 +198,7 @@ class _Region:
     compiled when each region was first called: planned with what earlier positions hold, and,
     for any region that is not the step's first, its least-peak plan, so that regions not yet
     seen find room. Once a step has ended (its backward ran), the backend chooses one plan per
-    region for the whole step (Backend.settle, memcompile/joint_plan.py) and each region
+    region for the whole step (Backend.settle, memcompile/step_plan.py) and each region
     compiles that plan at its next call: at most once per step shape. Sizes beyond the largest
     planned for (dynamic shapes) are re-planned before they run: a plan made for sizes S covers
     every size <= S, bytes only grow with sizes (see docs/design.md).
@@ -1035,7 +1035,7 @@ class Backend:
     def settle(self) -> None:
         """At the start of a step: if the previous step's shape (which region ran at each position,
         and what each call held regardless of plan) differs from the one the current step plan
-        was chosen for, choose one plan per region for the whole step (memcompile/joint_plan.py)
+        was chosen for, choose one plan per region for the whole step (memcompile/step_plan.py)
         and assign it; regions compile it at their next call. The shape does not depend on the
         plans, so this settles after one choice: at most one re-plan per region per step shape.
         Raises InfeasibleBudgetError if no combination fits."""
@@ -1046,48 +1046,31 @@ class Backend:
         shape = tuple((region, f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes) for region, f in completed)
         if shape == self._settled:
             return
-        regions = list(dict.fromkeys(region for region, _ in completed))
         if len(completed) < 2:
-            for region in regions:
+            for region, _ in completed:
                 region.assigned = None  # one call per step: its own plan is the step's
             self._settled = shape
             return
+        regions, positions = step_positions(completed)
         # the options' checks draw random inputs (see _recompile)
         with _random_state_kept(()), check_memo.remembering(self.checks):
             menus = [region.plan_options() for region in regions]
-        options = [[option for option, _ in menu] for menu in menus]
-        positions = [Position(regions.index(region), f.params_bytes, f.inputs_bytes, f.grads_bytes, f.held_grads_bytes)
-                     for region, f in completed]
-        # the regions compile the plans chosen at their next calls, beside what the step holds
-        # and beside what the step was measured to hold outside every region
-        eager = self.ledger.eager_bytes()
-        budget = self.options.step_budget_bytes - self.compile_scratch - eager
-        choice = choose_joint(positions, options, budget)
-        if choice is None:
-            least = least_step_peak(positions, options)
-            need = least.step_peak_bytes + self.options.reserve_bytes + self.compile_scratch + eager
-            error = InfeasibleBudgetError(
-                f"memcompile: no plan of this step's {len(positions)} region calls ({len(regions)} compiled "
-                f"region(s)) fits the budget of {format_bytes(self.options.budget_bytes)} "
-                f"({self.options.budget_bytes} bytes"
-                + self.options.reserve_text()
-                + f"). The smallest budget that works is {format_bytes(need)} (min_feasible_bytes={need}), "
-                "with every region at its least peak where that helps. Raise the budget, or reduce batch "
-                "size / model size.", budget_bytes=self.options.budget_bytes, min_feasible_bytes=need)
+        budget = StepBudget(self.options.step_budget_bytes, self.options.reserve_bytes, self.compile_scratch,
+                            self.ledger.eager_bytes())
+        plan = choose_step_plan(positions, [[option for option, _ in menu] for menu in menus], budget)
+        if isinstance(plan, NoStepPlan):
+            error = no_step_plan_error(plan, positions, self.options)
             self.errors.append(error)
             log.error("%s", error)
             raise error
-        peaks = joint_step_peaks(positions, options, choice.option_of)
-        for r, region in enumerate(regions):
-            own = options[r][choice.option_of[r]].own_peak_bytes
-            outside = max(peak - own for peak, q in zip(peaks, positions) if q.region == r) + eager
-            decisions = menus[r][choice.option_of[r]][1]
+        for region, menu, option, outside in zip(regions, menus, plan.option_of, plan.outside_bytes):
+            decisions = menu[option][1]
             region.assigned = None if decisions is None else (decisions, outside)
         self._settled = shape
         self.step_plans += 1
         log.debug("memcompile: one plan per region for the step: predicted step peak %s of %s, added time "
-                  "~%.2f ms (%s)", format_bytes(choice.step_peak_bytes), format_bytes(budget),
-                  choice.added_time_s * 1e3, choice.status)
+                  "~%.2f ms (%s)", format_bytes(plan.step_peak_bytes), format_bytes(plan.regions_bytes),
+                  plan.added_time_s * 1e3, plan.status)
 
     def meter_for(self, position: int, args: Sequence[Any]) -> StepMeter | None:
         """The meter of this step, started at its first call when the step is to be measured."""

@@ -1,4 +1,5 @@
-"""The step plan's chooser (memcompile/joint_plan.py) on plain data, against brute force."""
+"""The step plan's chooser (memcompile/joint_plan.py) on plain data, against brute force, and the
+step plan around it (memcompile/step_plan.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from memcompile.joint_plan import (
     least_step_peak,
     step_peaks,
 )
+from memcompile.ledger import Footprint
+from memcompile.options import Options
+from memcompile.step_plan import NoStepPlan, StepBudget, choose_step_plan, no_step_plan_error, step_positions
 
 
 def _brute_force(positions, menus, budget):
@@ -100,3 +104,28 @@ def test_bad_input_names_the_argument():
         choose_joint([Position(3, 0, 0, 0)], [[PlanOption(1, 1, 0.0)]], 10)
     with pytest.raises(ValueError, match=r"menus\[0\]"):
         choose_joint([Position(0, 0, 0, 0)], [[]], 10)
+
+
+def test_step_positions_index_the_regions_in_the_order_first_called():
+    footprint = Footprint(own_peak_bytes=9, params_bytes=1, inputs_bytes=2, saved_bytes=8, grads_bytes=3,
+                          held_grads_bytes=4)
+    regions, positions = step_positions([("a", footprint), ("b", footprint), ("a", footprint)])
+    assert regions == ("a", "b")
+    assert positions == (Position(0, 1, 2, 3, 4), Position(1, 1, 2, 3, 4), Position(0, 1, 2, 3, 4))
+
+
+def test_the_step_plan_fits_what_the_budget_leaves_and_says_what_each_region_runs_beside():
+    """The example above, with a reserve, a compile's scratch and eager memory around the regions."""
+    first = [PlanOption(50, 40, 0.0), PlanOption(30, 5, 1e-4)]
+    last = [PlanOption(60, 0, 0.0)]
+    positions = [Position(0, 0, 0, 0), Position(1, 0, 0, 0)]
+    budget = StepBudget(step_budget_bytes=80, reserve_bytes=20, compile_scratch_bytes=4, eager_bytes=6)
+    plan = choose_step_plan(positions, [first, last], budget)
+    assert plan.option_of == (1, 0) and plan.step_peak_bytes == 65 and plan.regions_bytes == 70
+    # beside region 0: nothing of region 1 yet; beside region 1: region 0's 5 saved bytes; both beside eager memory
+    assert plan.outside_bytes == (0 + 6, 5 + 6)
+    tight = StepBudget(step_budget_bytes=74, reserve_bytes=20, compile_scratch_bytes=4, eager_bytes=6)
+    no_plan = choose_step_plan(positions, [first, last], tight)
+    assert no_plan == NoStepPlan(min_feasible_bytes=65 + 20 + 4 + 6)
+    error = no_step_plan_error(no_plan, positions, Options(budget_bytes=99, reserve_bytes=20))
+    assert error.min_feasible_bytes == 95 and "2 region calls (2 compiled region(s))" in str(error)
