@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -167,6 +168,14 @@ class _PlannedFor(TextEnum):
     OPTION = "option"  # the decisions the step plan chose among the region's options
 
 
+def _rewrite_first_reason(no_fit: NoSolverPlanFits, rewrite_first_s: float | None) -> str | None:
+    """Why the first rewrite is applied where a plan without it could fit (PlanRequest.rewrite_first_s)."""
+    if not no_fit.rewrite_first or rewrite_first_s is None:
+        return None
+    return (f"PyTorch's partition is over the budget, and chunking is estimated at "
+            f"{rewrite_first_s * 1e3:.2f} ms, less than a plan without it could save")
+
+
 def _symbol_sites(fake_inputs: Sequence[object]) -> tuple[tuple[int, int | None, object], ...]:
     """(input index, dim or None for a SymInt input, symbol) for every size that is a plain symbol."""
     sites = []
@@ -258,41 +267,11 @@ class _Region:
         position = backend.ledger.next_position()
         outside = backend.ledger.outside_bytes(position, also_seen=self.own_leaf_ids)
         example_inputs, self._example_inputs = self._example_inputs, []
-        # Before any step has ended, a region that more of the step follows (one after the first;
-        # one that ends at a graph break, or was called with activations, as blocks compiled one
-        # by one after an embedding are; one compiled ahead of its call behind another, as
-        # DDPOptimizer compiles all its pieces) cannot know what later regions need: it holds as
-        # little as it can for the first step, and is re-planned once the step is known. A first
-        # region called with the step's inputs plans to the budget at once: most steps are that
-        # one region (its loss computed in it, or eagerly after it), and planning it twice would
-        # double its compile. Where more regions do follow it, a later call that cannot fit
-        # raises StepOverrunError before it runs (and the step run again fits).
-        cautious = backend.in_first_step() and (
-            position > 0 or backend.compiled_ahead > 0 or self.ends_at_graph_break or self.called_mid_step)
-        cautious = cautious or backend.cautious_now()
+        cautious = self._cautious_first(position)
         self.followed_in_first_step = cautious  # more of the first step may follow it
-        kind = _PlannedFor.LEAST if cautious else _PlannedFor.OUTSIDE
         if not cautious and not backend.measured_steps:
-            # Until a step is measured, a step's one region holds room as its backward starts
-            # for the gradient of what it returns: a loss computed on returned logits makes at
-            # least that (the log-softmax it saves), beside the gradient its backward counts.
-            returned = _returned_gradient_bytes(self.rewrites.gm)
-            if returned:
-                self.boundary_bytes = returned
-                self.boundary_where = "not measured yet: the size of the outputs it returns that need a gradient"
-                backend.defaulted_boundaries.append(self)
-
-        def compile_for(o: int, search_least_peak: bool = True, partitions_only: bool = False,
-                        rewrite_first_s: float | None = None) -> _Variant:
-            variant = self._compile((kind, o, self._sizes_key()), o, self.rewrites.gm, example_inputs,
-                                    PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
-                                                partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
-                                                defer_check=backend.options.codegen == "inductor"
-                                                and not backend.plan_only),
-                                    autograd_cache=not cautious)
-            # the request the kept compile made (a ladder replays it)
-            self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
-            return variant
+            self._hold_returned_gradients()
+        compile_for = functools.partial(self._compile_first_for, example_inputs, cautious)
 
         # Where a rewrite could lower the floor (a chunked loss head, chunked MLPs), a graph no
         # solver plan fits is not searched for its least peak before the rewritten graph is planned.
@@ -302,17 +281,12 @@ class _Region:
         # ... or raises what it ended with, where no graph of it fitted: else a later launch traces
         # and searches every rung again (benchmarks/first_call.py, its `of:0.5:plain` rows).
         refused_key = self._ladder_key(outside, f"refused position={position}") if defer else None
-        refused = plan_store.load(backend.options.plan_store_dir, refused_key) if refused_key else None
-        if refused is not None and refused.kind == plan_store.Outcome.INFEASIBLE:
-            logs.stage("no graph of this region's rewrite ladder fitted this budget in an earlier launch (plan store)")
-            raise InfeasibleBudgetError(refused.error_message, budget_bytes=backend.options.budget_bytes,
-                                        min_feasible_bytes=refused.min_feasible_bytes,
-                                        contributors=refused.contributors, whole_step=refused.whole_step)
+        if refused_key:
+            self._raise_if_refused_before(refused_key)
         replayed = self._replay_ladder(ladder_key, position, outside, compile_for) if ladder_key else None
         if replayed is not None:
             self._first = replayed
-            backend.compiled_ahead += 1
-            self._current = (self._first, outside)
+            self._finish_first(None, outside)  # nothing new to store
             return
         if defer and _inputs_and_gradients_bytes(example_inputs) > backend.options.step_budget_bytes:
             # No plan of any graph of the ladder fits: the least peak of the most rewritten one is
@@ -333,9 +307,7 @@ class _Region:
             return
         except NoSolverPlanFits as no_fit:
             floor_at_least = no_fit.floor_at_least
-            first_reason = (f"PyTorch's partition is over the budget, and chunking is estimated at "
-                            f"{rewrite_first_s * 1e3:.2f} ms, less than a plan without it could save"
-                            if no_fit.rewrite_first and rewrite_first_s is not None else None)
+            first_reason = _rewrite_first_reason(no_fit, rewrite_first_s)
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=None, coarse=not cautious,
                 whole_floor_at_least=floor_at_least, first_reason=first_reason))
@@ -351,6 +323,58 @@ class _Region:
                 for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
                     self._rewrite_if_faster(rewrite, position, outside, compile_for, device)
         self._finish_first(ladder_key, outside)
+
+    def _cautious_first(self, position: int) -> bool:
+        """Whether the first compile plans its least peak rather than to the budget. Before any
+        step has ended, a region that more of the step follows (one after the first; one that
+        ends at a graph break, or was called with activations, as blocks compiled one by one
+        after an embedding are; one compiled ahead of its call behind another, as DDPOptimizer
+        compiles all its pieces) cannot know what later regions need: it holds as little as it
+        can for the first step, and is re-planned once the step is known. A first region called
+        with the step's inputs plans to the budget at once: most steps are that one region (its
+        loss computed in it, or eagerly after it), and planning it twice would double its
+        compile. Where more regions do follow it, a later call that cannot fit raises
+        StepOverrunError before it runs (and the step run again fits)."""
+        backend = self.backend
+        cautious = backend.in_first_step() and (
+            position > 0 or backend.compiled_ahead > 0 or self.ends_at_graph_break or self.called_mid_step)
+        return cautious or backend.cautious_now()
+
+    def _hold_returned_gradients(self) -> None:
+        """Until a step is measured, a step's one region holds room as its backward starts for
+        the gradient of what it returns: a loss computed on returned logits makes at least that
+        (the log-softmax it saves), beside the gradient its backward counts."""
+        returned = _returned_gradient_bytes(self.rewrites.gm)
+        if returned:
+            self.boundary_bytes = returned
+            self.boundary_where = "not measured yet: the size of the outputs it returns that need a gradient"
+            self.backend.defaulted_boundaries.append(self)
+
+    def _compile_first_for(self, example_inputs: Sequence[Any], cautious: bool, outside: int,
+                           search_least_peak: bool = True, partitions_only: bool = False,
+                           rewrite_first_s: float | None = None) -> _Variant:
+        """One compile of the first call's graph as rewritten so far, beside `outside`."""
+        backend = self.backend
+        kind = _PlannedFor.LEAST if cautious else _PlannedFor.OUTSIDE
+        variant = self._compile((kind, outside, self._sizes_key()), outside, self.rewrites.gm, example_inputs,
+                                PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
+                                            partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
+                                            defer_check=backend.options.codegen == "inductor"
+                                            and not backend.plan_only),
+                                autograd_cache=not cautious)
+        # the request the kept compile made (a ladder replays it)
+        self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
+        return variant
+
+    def _raise_if_refused_before(self, refused_key: str) -> None:
+        """Raise what an earlier launch's ladder for this graph ended with, where no graph of it fitted."""
+        options = self.backend.options
+        refused = plan_store.load(options.plan_store_dir, refused_key)
+        if refused is not None and refused.kind == plan_store.Outcome.INFEASIBLE:
+            logs.stage("no graph of this region's rewrite ladder fitted this budget in an earlier launch (plan store)")
+            raise InfeasibleBudgetError(refused.error_message, budget_bytes=options.budget_bytes,
+                                        min_feasible_bytes=refused.min_feasible_bytes,
+                                        contributors=refused.contributors, whole_step=refused.whole_step)
 
     def _cheap_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The estimated added time of the first pending rewrite where it is one also tried when a
