@@ -55,8 +55,17 @@ def test_the_scatter_into_the_head_gradient_is_the_same_sum(vocab, width, tokens
     targets = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
     assert targets == [aten._unsafe_masked_index_put_accumulate.default]  # no zeros, no add
     got = rewritten(*example)
-    tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
-    torch.testing.assert_close(got, want, **tolerance)
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        return
+    # In bf16 each accumulation rounds, in another order in each graph, and terms of one row may
+    # cancel (2 rows, 34 tokens: 0.043 apart where the sum was 0.035): both within the rounding of
+    # the sum of the terms' magnitudes of the exact (float64) sum.
+    exact_inputs = tuple(t.double() if t.is_floating_point() else t for t in example)
+    exact = _tied_sum_graph(*exact_inputs)(*exact_inputs)
+    magnitudes = (exact_inputs[0].abs(), exact_inputs[1], exact_inputs[2].abs(), exact_inputs[3])
+    bound = (tokens + 2) * 2.0**-8 * _tied_sum_graph(*magnitudes)(*magnitudes)
+    assert ((got.double() - exact).abs() <= bound).all() and ((want.double() - exact).abs() <= bound).all()
 
 
 def test_a_sum_the_scatter_does_not_feed_alone_is_left_alone() -> None:
