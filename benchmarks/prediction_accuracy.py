@@ -27,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-# The schedule-aware check is the default under Inductor (memcompile/planner.py FUSION_CHECK);
+# The schedule-aware check is the default under Inductor (Options.experiments.fusion_check);
 # MEMCOMPILE_FUSION_CHECK=0 in the environment measures the every-node-a-buffer check instead.
 os.environ.setdefault("MEMCOMPILE_FUSION_CHECK", "1")
 

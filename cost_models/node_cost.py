@@ -59,7 +59,8 @@ def node_flops(node: fx.Node) -> int:
     args, kwargs = _meta_arguments(node)
     try:
         flops = formula(*args, out_val=node.meta.get("val"), **kwargs)
-    except UNREADABLE_GRAPH_ERRORS:  # a formula that cannot read these shapes: treat the op as memory-bound
+    # torch's formulas assert what they cannot read (flop_counter: mm, bmm, attention shapes)
+    except (*UNREADABLE_GRAPH_ERRORS, AssertionError):  # a formula that cannot read these shapes: memory-bound
         return 0
     if isinstance(flops, torch.SymInt):
         flops = flops.node.hint or 0

@@ -145,7 +145,8 @@ def _time(op, args, kwargs) -> float | None:
                     start = time.perf_counter()
                     op(*real_args, **real_kwargs)
                     best = min(best, time.perf_counter() - start)
-    except UNREADABLE_GRAPH_ERRORS as error:  # an op that cannot run on these inputs: the roofline stays
+    # a real op on random inputs: its own checks (asserts), its arithmetic, memory may fail
+    except (*UNREADABLE_GRAPH_ERRORS, AssertionError, ArithmeticError, MemoryError) as error:  # the roofline stays
         log.debug("memcompile: %s could not be timed (%s: %s)", op, type(error).__name__, error)
         return None
     finally:

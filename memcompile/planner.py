@@ -269,8 +269,8 @@ def _analyse(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_
     store = _store_options(options, device)
     model_fusion = _checks_schedule(options)
     analysis = analyze_joint_graph(joint, num_fwd_outputs, list(static_lifetime_input_indices or []), profile, store,
-                                   fuse=model_fusion)
-    if model_fusion and options.experiments.recompute_fusion:
+                                   fuse=model_fusion is not None)
+    if model_fusion is not None and options.experiments.recompute_fusion:
         analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
     if options.boundary_bytes:
         analysis = dataclasses.replace(analysis, boundary_bytes=options.boundary_bytes,
@@ -324,8 +324,9 @@ def _stock_partitions(joint, joint_inputs, analysis: JointAnalysis, profile, num
 
 def planning_environment(device: str) -> str:
     """Everything besides the graph and the options that planning reads (a stored plan's key)."""
+    # the rules' constants (the experiments among the rules are in the options)
     return (f"{torch.__version__} {source_hash()} {plan_store.machine_text(device)} "
-            f"{tp.inductor_config_text()}")
+            f"{tp.PLANNED_RULES.text()} {tp.inductor_config_text()}")
 
 
 def _plan_joint_graph(

@@ -411,10 +411,10 @@ def test_a_training_graph_is_planned_within_its_budget(layers: int, skip_every: 
     p0, c0 = replay(p, baseline_schedule(p))
     budget = math.ceil(fraction * p0)
     result = solve_remat(p, budget, time_limit_s=20)
-    assert result.status in ("optimal", "feasible")
+    assert result.status == "optimal"  # proven in well under a second on both
     peak, cost = replay(p, result.schedule)
-    assert peak <= budget and c0 <= cost == pytest.approx(result.cost)
-    assert result.lower_bound <= cost + 1e-6
+    assert peak <= budget and c0 < cost == pytest.approx(result.cost)  # it recomputes, and says what it costs
+    assert result.lower_bound == pytest.approx(cost)
 
 
 def test_reported_bound_is_at_least_the_first_computation_bound() -> None:

@@ -210,10 +210,14 @@ def _fusion_extends_a_lifetime(scheduler, node1, node2) -> bool:
     def early_results():  # read only where the later node allocates something large
         graph_outputs = set(V.graph.get_output_names())
         for buf in early.get_outputs():
+            nbytes, is_output = _stored_bytes(buf), buf.get_name() in graph_outputs
+            if is_output or nbytes < fusion_refusals.LIFETIME_FUSION_MIN_BYTES:
+                yield fusion_refusals.FusedResult(nbytes, (), is_output)  # the rule passes it over unread
+                continue
             # no min_order: the graph's output node
             orders = tuple(scheduler.get_fused_node(r).min_order if hasattr(r, "min_order") else None
                            for r in readers_outside(buf))
-            yield fusion_refusals.FusedResult(_stored_bytes(buf), orders, buf.get_name() in graph_outputs)
+            yield fusion_refusals.FusedResult(nbytes, orders, is_output)
 
     late_outliving = (_stored_bytes(buf) for buf in late.get_outputs() if readers_outside(buf))
     return fusion_refusals.fusion_extends_a_lifetime(early_results(), late_outliving, late.min_order)
