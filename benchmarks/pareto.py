@@ -122,6 +122,50 @@ def unread_module_bytes(module, inputs) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in read)
 
 
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def held_bytes(module, inputs, outputs) -> dict:
+    """What any activation plan must hold at the end of a step: parameters and buffers (a tied
+    weight counted once), their gradients (after a backward), the inputs and the outputs the caller
+    holds (here: the loss). A plan can change none of it; the measured peak less their sum is the
+    activation peak, the figure planners compete on."""
+    params = [*module.parameters()]
+    rec = {"param_bytes": _storage_bytes(params), "buffer_bytes": _storage_bytes(module.buffers()),
+           "grad_bytes": _storage_bytes(p.grad for p in params), "input_bytes": _storage_bytes(inputs),
+           "output_held_bytes": _storage_bytes(outputs)}
+    rec["must_hold_bytes"] = sum(rec.values())
+    return rec
+
+
+def _probe(spec: dict, rec: dict, fresh, inputs) -> dict:
+    """memcompile at a 1-byte budget: the InfeasibleBudgetError's min_feasible_bytes (its floor)."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import memcompile
+
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    var = fresh()
+    extra = {"reserve": rec["reserve_bytes"]} if rec.get("reserve_bytes") else {}
+    budget = max(1, rec.get("reserve_bytes", 0) + 1)
+    fn = torch.compile(var.module, backend=memcompile.budget(budget, time_limit_s=spec["time_limit"], **extra))
+    t0 = time.perf_counter()
+    try:
+        fn(*inputs).backward()
+    except memcompile.InfeasibleBudgetError as e:
+        return {**rec, "status": "infeasible", "min_feasible_bytes": e.min_feasible_bytes, "message": str(e)[:2000],
+                "probe_s": time.perf_counter() - t0}
+    return {**rec, "status": "crashed", "error": "a 1-byte budget was accepted"}
+
+
 def child(spec: dict) -> dict:
     import torch
 
@@ -139,11 +183,17 @@ def child(spec: dict) -> dict:
     ref_model = fresh()
     inputs = ref_model.inputs
     rec["n_params"] = ref_model.n_params
-    ref_model.module(*inputs).backward()
+    loss = ref_model.module(*inputs)
+    loss.backward()
     ref = _grads(ref_model.module)
+    rec.update(held_bytes(ref_model.module, inputs, [loss]))
+    del loss
     if kind.startswith("memcompile"):  # (a Dynamo capture: before anything else is compiled)
         rec["reserve_bytes"] = unread_module_bytes(ref_model.module, inputs)
     del ref_model
+    probe = kind.startswith("memcompile") and spec.get("budget") == 1
+    if probe:  # the floor probe fails at its first call: no baseline to compile or time
+        return _probe(spec, rec, fresh, inputs)
 
     base = fresh()
     # The baseline is compiled through its own code object: Dynamo caches compiled code per code
@@ -201,6 +251,9 @@ def child(spec: dict) -> dict:
     m = memcompile.measure_peak(lambda: fn(*inputs).backward(), live_at_start=[var.module, *inputs])
     var.module.zero_grad(set_to_none=True)
     rec.update(peak_bytes=m.peak_bytes, live_at_start_bytes=m.live_at_start_bytes)
+    # activation peak: the measured peak less what every plan holds at the end of the backward
+    # (parameters and buffers, every gradient, the inputs, the outputs the caller holds)
+    rec["activation_peak_bytes"] = m.peak_bytes - rec["must_hold_bytes"]
     if backend is not None:
         rec["budget_ok"] = m.peak_bytes <= spec["budget"]
         rec["n_graphs"] = len(backend.plans)
@@ -292,19 +345,29 @@ def same_spec(r: dict, spec: dict) -> bool:
     return all(r.get(k) == v for k, v in spec.items() if k != "why")
 
 
-def run_model(model: str, args: argparse.Namespace, t0: float, sink, done: list[dict]) -> list[dict]:
+class EnoughRows(Exception):
+    """--max-new children have run: the parent writes its report and stops (run it again with --resume)."""
+
+
+def run_model(model: str, args: argparse.Namespace, t0: float, sink, done: list[dict],
+              recs: list[dict] | None = None) -> list[dict]:
     """All variants of one model; records in `done` (a resumed run) with the same spec are reused."""
     common = {"model": model, "size": args.size, "threads": args.threads, "steps": args.steps,
               "time_limit": args.time_limit}
-    recs: list[dict] = []
+    recs = [] if recs is None else recs
+    new = [0]
 
     def go(spec: dict) -> dict:
         old = next((r for r in done if same_spec(r, {**common, **spec})), None)
         if old is not None:
             old = {**old, **spec}  # the reason for this budget in this run
-            sink.write(json.dumps(old) + "\n")
+            if not old.pop("_from_this_file", False):  # (this run's file keeps its own records)
+                sink.write(json.dumps(old) + "\n")
             recs.append(old)
             return old
+        if args.max_new is not None and new[0] >= args.max_new:
+            raise EnoughRows
+        new[0] += 1
         r = run_child({**common, **spec}, args)
         log(t0, f"{model} {label(r)}: {summary_line(r)}")
         sink.write(json.dumps(r) + "\n")
@@ -312,6 +375,8 @@ def run_model(model: str, args: argparse.Namespace, t0: float, sink, done: list[
         recs.append(r)
         return r
 
+    if args.size == "real":
+        return run_model_real(recs, go)
     go({"kind": "inductor", "repeat": 1})
     go({"kind": "eager"})
     go({"kind": "eager_ckpt"})
@@ -370,6 +435,32 @@ def run_model(model: str, args: argparse.Namespace, t0: float, sink, done: list[
         go({"kind": "memcompile_int8", "budget": budget, "why": "int8"})
     if why_not is not None:
         log(t0, f"{model} memcompile_int8: unavailable ({why_not})")
+    return recs
+
+
+REAL_FIRST = (0.5, 0.0)  # --size real: PyTorch's fractions measured first (then memcompile at 0.5's peak, its floor)
+REAL_MORE = (0.8, 0.2)  # then these, per-block checkpointing and memcompile at their peaks
+
+
+def run_model_real(recs: list[dict], go) -> list[dict]:
+    """--size real: the rows that decide first, in order, so that a run cut short has them.
+
+    plain Inductor; PyTorch's activation_memory_budget 0.5 and 0.0; memcompile's floor (a 1-byte
+    budget's min_feasible_bytes); memcompile at 0.5's measured peak and at its floor; then PyTorch's
+    0.8, 0.2 and per-block checkpointing (compiled), each followed by memcompile at its peak."""
+    def mc_at(r: dict) -> None:
+        if r.get("status") == "ok":
+            go({"kind": "memcompile", "budget": r["peak_bytes"], "why": f"= peak of {label(r)}"})
+
+    go({"kind": "inductor", "repeat": 1})
+    first = [go({"kind": "inductor_amb", "fraction": f}) for f in REAL_FIRST]
+    floor = go({"kind": "memcompile", "budget": 1, "why": "probe for min_feasible_bytes"}).get("min_feasible_bytes")
+    mc_at(first[0])
+    if floor is not None:
+        go({"kind": "memcompile", "budget": floor, "why": "min_feasible_bytes"})
+    for f in REAL_MORE:
+        mc_at(go({"kind": "inductor_amb", "fraction": f}))
+    mc_at(go({"kind": "inductor_ckpt"}))
     return recs
 
 
@@ -481,6 +572,39 @@ def acceptance(recs: list[dict], noise: float) -> dict:
             "lowest_factor_noise": (low_pt_n / low_mc_n) if low_pt_n and low_mc_n else None}
 
 
+def activation_table(recs: list[dict]) -> list[str]:
+    """Measured peak split into what every plan holds and the activation peak (the rest)."""
+    held = next((r for r in recs if "must_hold_bytes" in r), None)
+    if held is None:
+        return []
+    cold = next((r["baseline_first_call_s"] for r in recs if r["kind"] == "inductor" and r.get("status") == "ok"
+                 and r.get("repeat") == 1), None)
+    out = [f"\nWhat every plan holds (MiB): parameters and buffers {mib(held['param_bytes'] + held['buffer_bytes'])}, "
+           f"gradients {mib(held['grad_bytes'])}, inputs {mib(held['input_bytes'])}, outputs the caller holds "
+           f"(the loss) {mib(held['output_held_bytes'])}: {mib(held['must_hold_bytes'])} MiB in all. Activation peak = "
+           "measured peak - that. First call / plain: against plain Inductor's first call with an empty "
+           f"Inductor cache ({'-' if cold is None else f'{cold:.0f} s'}, the first plain child's baseline).\n",
+           "| variant | budget MiB | peak MiB | activation peak MiB | <= budget | step ratio | noise (plain/plain) "
+           "| first call s | first call / plain | grad rel (global) |",
+           "| --- " * 10 + "|"]
+    for r in recs:
+        if r.get("status") == "infeasible":
+            out.append(f"| {label(r)} | {mib(r.get('budget'))} | infeasible: min_feasible_bytes "
+                       f"{r['min_feasible_bytes']:,} B = {mib(r['min_feasible_bytes'])} MiB (activation "
+                       f"{mib(r['min_feasible_bytes'] - held['must_hold_bytes'])}) |" + " - |" * 7)
+            continue
+        if r.get("status") != "ok":
+            out.append(f"| {label(r)} | {mib(r.get('budget'))} | {r.get('status')} |" + " - |" * 7)
+            continue
+        ok = "-" if "budget_ok" not in r else ("yes" if r["budget_ok"] else "**NO**")
+        first_vs_plain = "-" if cold is None else f"{r['first_call_s'] / cold:.2f}"
+        out.append(f"| {label(r)} | {mib(r.get('budget'))} | {mib(r['peak_bytes'])} | "
+                   f"{mib(r['activation_peak_bytes'])} | {ok} | {r['step_ratio']:.3f} | {r['noise_ratio']:.3f} | "
+                   f"{r['first_call_s']:.0f} | {first_vs_plain} | "
+                   f"{gref(r)} |")
+    return out
+
+
 def gref(r: dict) -> str:
     return f"{r['grad_rel_global']:.1e}" if "grad_rel_global" in r else "-"
 
@@ -548,6 +672,8 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
             else:
                 verdict = "-" if p["mc"].startswith("not run") else "**no**"
                 out.append(f"| {p['pytorch']} | {mib(p['pt_peak'])} | {p['pt_ratio']:.3f} | {p['mc']} | - | - | {verdict} |")
+        if any("activation_peak_bytes" in r for r in recs):
+            out.extend(activation_table(recs))
         f, fn = acc["lowest_factor"], acc["lowest_factor_noise"]
         out.append(f"\nLowest peak at <= {OVERHEAD:.0%} added step time: PyTorch {mib(acc['lowest_pt_10pct'])} MiB, "
                    f"memcompile {mib(acc['lowest_mc_10pct'])} MiB: factor "
@@ -594,6 +720,7 @@ def parent(args: argparse.Namespace) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     jsonl = RESULTS / f"pareto{args.tag}.jsonl"
     by_model: dict[str, list[dict]] = {}
+    more_left = False
     if args.report_only:
         sources = [Path(x) for x in args.inputs.split(",")] if args.inputs else [jsonl]
         seen: dict[tuple, dict] = {}  # one record per spec (a resumed run repeats the records it reused)
@@ -604,11 +731,19 @@ def parent(args: argparse.Namespace) -> int:
             by_model.setdefault(r["model"], []).append(r)
     else:
         sources = [jsonl] + [Path(x) for x in (args.resume_from or "").split(",") if x]
-        done = [json.loads(ln) for src in sources if args.resume and src.exists() for ln in src.read_text().splitlines()]
+        done = [{**json.loads(ln), "_from_this_file": src == jsonl} for src in sources
+                if args.resume and src.exists() for ln in src.read_text().splitlines()]
         done = [r for r in done if r.get("status") not in ("crashed", "timeout", "skipped")]
-        with jsonl.open("w") as sink:
+        # resumed: the file keeps its records and gets the new ones appended as each child ends (a
+        # parent killed mid-child loses nothing); else it starts empty
+        with jsonl.open("a" if args.resume else "w") as sink:
             for model in args.models.split(","):
-                by_model[model] = run_model(model, args, t0, sink, done)
+                try:
+                    run_model(model, args, t0, sink, done, by_model.setdefault(model, []))
+                except EnoughRows:
+                    log(t0, f"--max-new {args.max_new}: stopping; run again with --resume for the rest")
+                    more_left = True
+                    break
     md, verdicts = markdown(by_model, args)
     (RESULTS / f"pareto{args.tag}.md").write_text(md + "\n")
     (RESULTS / f"pareto{args.tag}_summary.json").write_text(json.dumps(verdicts, indent=2) + "\n")
@@ -617,19 +752,23 @@ def parent(args: argparse.Namespace) -> int:
     log(t0, f"wrote {jsonl}, .md, _summary.json{', .png' if plotted else ' (no matplotlib: no picture)'}")
     bad = any(r.get("status") in ("crashed", "timeout") or r.get("budget_ok") is False
               for rs in by_model.values() for r in rs)
-    return 1 if bad else 0
+    return 1 if bad else (3 if more_left else 0)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2,llama,vit,bert,resnet")
-    ap.add_argument("--size", default="small", choices=("tiny", "small", "medium"))
+    ap.add_argument("--size", default="small", choices=("tiny", "small", "medium", "real"),
+                    help="real: GPT-2 124M (HF config, random weights) and a 24-layer Llama, 2 x 512; its own "
+                         "short variant list (see run_model_real); use with --max-new 1 --resume")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per child (median), after a warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=10.0, help="memcompile solver time_limit_s")
     ap.add_argument("--baseline-repeats", type=int, default=3,
                     help="plain-Inductor children per model (the noise between compiled copies)")
     ap.add_argument("--child-timeout", type=float, default=900.0)
+    ap.add_argument("--max-new", type=int, help="run at most this many new children, then report and exit 3 "
+                                               "(with --resume: one bounded command per row)")
     ap.add_argument("--tag", default=None, help="suffix of the result files (default: _<size>, e.g. pareto_small.*)")
     ap.add_argument("--report-only", action="store_true", help="rebuild .md/.png from the .jsonl")
     ap.add_argument("--resume", action="store_true", help="reuse the records of an earlier run with the same tag")
