@@ -2,6 +2,14 @@
 
     python benchmarks/pareto.py                          # gpt2 llama vit bert resnet, "small" (~25 min a model here)
     python benchmarks/pareto.py --size tiny --models gpt2    # a smoke run (a few minutes): pareto_tiny.*
+    python benchmarks/pareto.py --size real --models gpt2 --steps 2 --time-limit 30 --tag _real \
+        --cache-dir /tmp/inductor-cache --resume --max-new 1   # one row (~5 min here); exit 3: rows left, run again
+
+--size real (GPT-2 124M from its Hugging Face config and a 24-layer GQA Llama, random weights, 2 x 512)
+runs a short list of variants instead (run_model_real): plain Inductor, activation_memory_budget 0.5
+and 0.0, memcompile's floor, memcompile at 0.5's peak and at its floor, then 0.8, 0.2, per-block
+checkpointing and memcompile at their peaks. Every row also states what any plan must hold
+(parameters, gradients, inputs, the loss the caller holds) and its activation peak (the rest).
 
 Per model, one child process per variant (no compile cache, config or Dynamo state leaks):
   eager, eager + per-block checkpoint, plain Inductor, Inductor + per-block
@@ -281,6 +289,22 @@ def child(spec: dict) -> dict:
 # parent side
 
 
+def code_and_machine() -> dict:
+    """The commit the run's code is at (+ "-dirty" when benchmarks/ or the package differ from it) and the CPU."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    if git("status", "--porcelain", "--", "memcompile", "passes", "cost_models", "benchmarks/pareto.py",
+           "benchmarks/hf_models.py"):
+        commit += "-dirty"
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    return {"commit": commit, "cpu": cpu, "cpus": os.cpu_count()}
+
+
 def run_child(spec: dict, args: argparse.Namespace) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=args.cache_dir, OMP_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false")
@@ -298,7 +322,7 @@ def run_child(spec: dict, args: argparse.Namespace) -> dict:
     load = {"load_before": load_before, "load_after": os.getloadavg()[0]}
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
-            return {**json.loads(line[len(MARK):]), "child_wall_s": wall, **load}
+            return {**json.loads(line[len(MARK):]), "child_wall_s": wall, **load, **code_and_machine()}
     return {**spec, "status": "crashed", "returncode": proc.returncode, "child_wall_s": wall,
             "stderr_tail": proc.stderr[-3000:]}
 
@@ -616,6 +640,10 @@ def markdown(by_model: dict[str, list[dict]], args: argparse.Namespace) -> tuple
            f"{args.time_limit} s. 2-core machine shared with other jobs: step times are noisy; every step ratio is "
            "against plain Inductor timed in the same process, interleaved. Command: `python benchmarks/pareto.py "
            + " ".join(sys.argv[1:]) + "`.\n"]
+    commits = sorted({r["commit"] for rs in by_model.values() for r in rs if r.get("commit")})
+    cpus = sorted({f"{r['cpu']} ({r['cpus']} CPUs)" for rs in by_model.values() for r in rs if r.get("cpu")})
+    if commits:
+        out.append(f"Rows measured at commit(s) {', '.join(commits)}; machine: {'; '.join(cpus)}.\n")
     if args.note:
         out.append(args.note + "\n")
     verdicts = {}
