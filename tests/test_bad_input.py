@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 import memcompile
 from budget_helpers import assert_within_budget, budget_range, compile_under, grads, run_step
 from memcompile.options import parse_bytes
+from memcompile.plan import StatusKind
 from models import WithLoss, build
 
 
@@ -172,7 +173,10 @@ def test_solver_exceptions_fall_back_to_the_greedy_plan(attention_case, monkeypa
     with caplog.at_level(logging.WARNING, logger="memcompile"):
         result = run_step(step, x, params, budget)
     _check(result, expected, budget)
-    assert result.plan.solver_status in ("fallback", "least_peak_optimal", "least_peak_feasible", "least_peak_fallback")
+    # the greedy plan; where it is over the target, repaired by the checks (feasible), or the
+    # least-peak search's (which falls back to greedy plans too); never a plan of the solver's
+    assert result.plan.status_kind in (StatusKind.FALLBACK, StatusKind.FEASIBLE, StatusKind.LEAST_PEAK), \
+        result.plan.solver_status
     assert "solver failed" in caplog.text
 
 
