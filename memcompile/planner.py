@@ -1383,10 +1383,6 @@ def _annotation_note(attempt: _Attempt, analysis: JointAnalysis) -> str:
             "relaxing them to PREFER_* lets memcompile choose.")
 
 
-# What planning a graph it cannot read raises (an op a pass or torch's partitioner does not
-# handle, an unsupported value, a schedule it cannot build): PyTorch's partition runs instead,
-# with a warning. An AssertionError (a broken invariant: a bug) is not among them and propagates.
-_PLANNING_FAILURES = UNREADABLE_GRAPH_ERRORS
 
 
 def plan_joint_graph(
@@ -1400,7 +1396,7 @@ def plan_joint_graph(
     request: "PlanRequest | None" = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, Plan]:
     """`_plan_joint_graph`, with a last resort: if planning fails on a graph it cannot read
-    (_PLANNING_FAILURES), PyTorch's own partition runs, with a warning, instead of killing the run.
+    (errors.UNREADABLE_GRAPH_ERRORS), PyTorch's own partition runs, with a warning, instead of killing the run.
     An infeasible budget is not a failure: InfeasibleBudgetError (and NoSolverPlanFits) propagate."""
     token = _CHECK_S.set([0.0])
     try:
@@ -1409,7 +1405,7 @@ def plan_joint_graph(
                                  options=options, graph_id=graph_id, request=request)
     except (InfeasibleBudgetError, NoSolverPlanFits):
         raise
-    except _PLANNING_FAILURES as error:
+    except UNREADABLE_GRAPH_ERRORS as error:
         fw, bw, plan = _stock_fallback(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                        options, graph_id, error)
         fits = 0 < plan.predicted_peak_bytes <= options.step_budget_bytes

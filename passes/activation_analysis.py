@@ -162,6 +162,9 @@ class _Phases:
     root: dict[fx.Node, fx.Node]  # the node owning each node's storage (aliases count against it)
     user_outputs: frozenset[fx.Node]
     grad_outputs: frozenset[fx.Node]
+    forward: frozenset[fx.Node]  # forward_nodes as a set
+    backward: frozenset[fx.Node]  # backward_nodes as a set
+    born: dict[fx.Node, int]  # the step allocating each node's result (a tuple member's: its op's)
 
     @property
     def num_steps(self) -> int:
@@ -187,10 +190,12 @@ def _phases(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_i
         base = _alias_base(n)
         root[n] = root.get(base, base) if base is not None else n
     outputs = list(joint.graph.find_nodes(op="output")[0].args[0])
+    born = {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
     return _Phases(nodes, tuple(n for n in nodes if tp.is_primal(n)), forward_nodes, backward_nodes,
                    frozenset(required_fw), step, root,
                    frozenset(a for a in outputs[:num_fwd_outputs] if isinstance(a, fx.Node)),
-                   frozenset(a for a in outputs[num_fwd_outputs:] if isinstance(a, fx.Node)))
+                   frozenset(a for a in outputs[num_fwd_outputs:] if isinstance(a, fx.Node)),
+                   frozenset(forward_nodes), frozenset(backward_nodes), born)
 
 
 def _is_tensor(n: fx.Node) -> bool:
@@ -205,7 +210,7 @@ def _recompute_inputs(n: fx.Node, forward: set[fx.Node] | frozenset[fx.Node]) ->
 def _candidates(phases: _Phases) -> list[fx.Node]:
     """Forward tensors the backward reads, and (transitively) what recomputing them reads, in
     forward order."""
-    forward = set(phases.forward_nodes)
+    forward = phases.forward
     frontier = [i for b in phases.backward_nodes for i in b.all_input_nodes if i in forward and _is_tensor(i)]
     found: set[fx.Node] = set()
     while frontier:
@@ -230,7 +235,7 @@ def _reads(phases: _Phases, candidates: set[fx.Node], reads_of) -> _Reads:
     fw_last: dict[fx.Node, int] = {}
     bw_first: dict[fx.Node, int] = {}
     bw_last: dict[fx.Node, int] = {}
-    backward = set(phases.backward_nodes)
+    backward = phases.backward
     step, root = phases.step, phases.root
     for n in phases.nodes:
         for i in reads_of(n):
@@ -272,21 +277,14 @@ class _FixedBytes:
         return tuple(out)
 
 
-def _born(phases: _Phases) -> dict[fx.Node, int]:
-    """The step allocating each node's result: a tuple member's is the op's that returns the tuple."""
-    step = phases.step
-    return {n: step[n.args[0]] if is_getitem(n) and n.args[0] in step else step[n] for n in step}
-
-
 def _add_fixed_bytes(fixed: _FixedBytes, phases: _Phases, candidates: set[fx.Node], reads: _Reads,
                      inlined: frozenset[fx.Node], fuse: bool) -> None:
     """What no decision changes: parameters, tangents, each node's transients, and the
     non-candidates' results over their lifetimes."""
     step, root, last = phases.step, phases.root, phases.num_steps - 1
     backward_start = len(phases.forward_nodes)
-    forward, backward = set(phases.forward_nodes), set(phases.backward_nodes)
+    forward, backward, born = phases.forward, phases.backward, phases.born
     grad_roots = {root[g] for g in phases.grad_outputs}  # a gradient may be a view (e.g. of an mm's result)
-    born = _born(phases)
     fixed.add(sum(tensor_nbytes(p.meta.get("val")) for p in phases.primals if root[p] is p), 0, last)
     for n in phases.nodes:
         if n.op == "placeholder" and tp.is_tangent(n):
@@ -370,9 +368,8 @@ def _candidate_rows(phases: _Phases, candidates: list[fx.Node], reads: _Reads, f
     every decision shares to `fixed`."""
     step, root, num_steps = phases.step, phases.root, phases.num_steps
     backward_start = len(phases.forward_nodes)
-    forward = set(phases.forward_nodes)
+    forward, born = phases.forward, phases.born
     index = {n: i for i, n in enumerate(candidates)}
-    born = _born(phases)
     can_pin = [n in phases.required_fw and is_materialised(n) for n in phases.forward_nodes] if store.offload else []
     # MUST_SAVE on a view of an activation pins the storage it views: the base is saved and the
     # (free) view recomputed from it.
@@ -471,7 +468,7 @@ def analyze_joint_graph(
     reads = _reads(phases, candidate_set, reads_of)
     fixed = _FixedBytes(phases.num_steps)
     _add_fixed_bytes(fixed, phases, candidate_set, reads, inlined, fuse)
-    backward = set(phases.backward_nodes)
+    backward = phases.backward
     # Estimated run time of each step's node: how long an offload copy overlaps compute.
     step_time_s = [estimate_node_time_s(n, profile) if (n in phases.required_fw or n in backward) else 0.0
                    for n in phases.forward_nodes + phases.backward_nodes] if store.offload else [0.0] * phases.num_steps
