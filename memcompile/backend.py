@@ -664,8 +664,8 @@ class _Region:
                 # over the budget on the compiled schedule (or none built: a cached compile):
                 # planned again, every candidate checked before it is compiled
                 self.backend.deferred_checks_failed += 1
-                log.info("memcompile: %s: PyTorch's partition, chosen on a bound, was not confirmed by its "
-                         "compiled schedule; planning again with checks", record.plan.graph_id)
+                log.info("memcompile: %s: the plan, chosen on an estimate, was not confirmed by its compiled "
+                         "schedule; planning again with checks", record.plan.graph_id)
                 self._forget_plan(record.plan)
                 again = self.rewrites.fresh_graph()
                 return self._compile(key, outside, again, example_inputs, dataclasses.replace(request, defer_check=False),
@@ -1016,7 +1016,7 @@ class Backend:
         self.ledger = StepLedger()
         self.compiles = 0  # graphs compiled (first compiles and re-plans)
         self.checks = check_memo.CheckMemo()  # checks of planned graphs made for this backend
-        self.deferred_checks_failed = 0  # plans chosen on a bound that their compiled schedule did not confirm
+        self.deferred_checks_failed = 0  # plans chosen on an estimate that their compiled schedule did not confirm
         # What compiling a graph at a call holds on the step's device (set with the workspaces):
         # counted where a region compiles beside what other regions hold.
         self.compile_scratch = 0

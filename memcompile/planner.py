@@ -291,8 +291,9 @@ def _stock_candidates(options: Options, device: str) -> bool:
 
 def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fwd_outputs: int,
                    static_lifetime_input_indices, options: Options, device: str,
-                   plain: "_Attempt | None" = None) -> "Replanner":
-    """`plain`: PyTorch's default partition if already made (its graphs are the 1.0 candidate's)."""
+                   plain: "_Attempt | None" = None, stock: "StockPartitions | None" = None) -> "Replanner":
+    """`plain`: PyTorch's default partition if already made (its graphs are the 1.0 candidate's);
+    `stock`: PyTorch's partitions if already made (else made here)."""
     problem = analysis.problem
     fuse = _checks_schedule(options)
     keep_all = close_decisions(problem, prefer_recompute=set())
@@ -301,8 +302,9 @@ def _new_replanner(joint, joint_inputs, analysis: JointAnalysis, profile, num_fw
         joint, analysis, ActivationSolution(*keep_all, model_peak, 0.0, StatusKind.FITS, 0.0, 0.0), num_fwd_outputs,
         fuse=fuse, rounding=options.allocator_rounding,
     )
-    stock = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs, static_lifetime_input_indices,
-                              options, device, plain)
+    if stock is None:
+        stock = _stock_partitions(joint, joint_inputs, analysis, profile, num_fwd_outputs,
+                                  static_lifetime_input_indices, options, device, plain)
     return Replanner(joint, _calibrated_to(analysis, baseline), num_fwd_outputs, options, baseline, problem,
                      stock=stock)
 
@@ -377,15 +379,17 @@ def _plan_joint_graph(
             plan_store.save(options.plan_store_dir, key,
                             plan_store.StoredOutcome(plan_store.Outcome.NO_FIT, min_feasible_bytes=no_fit.floor_at_least))
         raise
-    if key is not None and asked.deferred is not None:
+    if key is None:
+        return fw, bw, plan
+    solution, replanner = asked.solution, asked.replanner
+    names: tuple[str, ...] = ()
+    if isinstance(solution, ActivationSolution):
+        made = replanner.made if isinstance(replanner, DeferredReplanner) else replanner
+        names = tuple(made.analysis.problem.names) if made is not None else ()
+    if asked.deferred is not None:
         # stored once the compile's schedule has checked it (confirm_on_compile)
-        asked.deferred = dataclasses.replace(asked.deferred, store=(options.plan_store_dir, key, plan, asked.solution))
-    elif key is not None:
-        solution, replanner = asked.solution, asked.replanner
-        names: tuple[str, ...] = ()
-        if isinstance(solution, ActivationSolution):
-            made = replanner.made if isinstance(replanner, DeferredReplanner) else replanner
-            names = tuple(made.analysis.problem.names) if made is not None else ()
+        asked.deferred = dataclasses.replace(asked.deferred, store=(options.plan_store_dir, key, plan, solution, names))
+    else:
         if isinstance(solution, StockSolution) or names:
             plan_store.save(options.plan_store_dir, key, plan_store.StoredOutcome(
                 plan_store.Outcome.PLAN, plan=plan, solution=solution, candidate_names=names))
@@ -454,12 +458,21 @@ def _search(
     stock_candidates = _stock_candidates(options, device)
 
     made_plain: list[_Attempt] = []  # plain Inductor's partition once made: the 1.0 candidate's graphs
+    made_stock: list[StockPartitions | None] = []  # PyTorch's partitions, once asked for
+
+    def stock_now() -> StockPartitions | None:
+        if not made_stock:
+            made_stock.append(_stock_partitions(joint, joint_inputs, analysis_now(), profile, num_fwd_outputs,
+                                                static_lifetime_input_indices, options, device,
+                                                made_plain[0] if made_plain else None))
+        return made_stock[0]
 
     def make_replanner() -> Replanner:
         return _new_replanner(joint, joint_inputs, analysis_now(), profile, num_fwd_outputs, static_lifetime_input_indices,
-                              options, device, made_plain[0] if made_plain else None)
+                              options, device, made_plain[0] if made_plain else None, stock_now())
 
     plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
+    on_count: list[_Attempt | None] = []  # another partition within the budget on its count, once counted
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
     # The rewrite the ladder tries next costs less than any plan of this graph could save
     # (STOCK_SOLVE_ABOVE): where PyTorch's default partition is over the budget, its graph is
@@ -477,9 +490,22 @@ def _search(
         plain = _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
                                           options.allocator_rounding, options.boundary_bytes,
                                           budget if request.defer_check else None,
-                                          unchecked_if_over=rewrite_is_cheap and request.defer_check,
+                                          unchecked_if_over=request.defer_check,
                                           rules=_checks_schedule(options))
         made_plain.extend([plain] if plain is not None else [])
+        if (plain is not None and not plain.checked and plain.timeline.peak_bytes > budget and not rewrite_is_cheap
+                and plain.timeline.held_by_every_plan() <= budget):
+            # Over the budget on its count: another of PyTorch's partitions within the budget on
+            # its own count, at a cost within noise of the step, is taken without lowering either;
+            # only where there is none is the default partition checked (a lowering).
+            logs.stage(f"{graph_id}: counting PyTorch's partitions")
+            stock = stock_now()
+            on_count = [stock.within_on_graph_order(budget) if stock is not None else None]
+            if on_count[0] is None:
+                logs.stage(f"{graph_id}: checking plain Inductor's partition")
+                plain = _checked_default_partition(plain, num_fwd_outputs, options.allocator_rounding,
+                                                   options.boundary_bytes, _checks_schedule(options))
+                made_plain[:] = [plain] if plain is not None else []
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
             plain, plain_over = None, True
@@ -506,9 +532,12 @@ def _search(
         forced = replanner.attempt_for(request.decisions)
         if forced is not None and forced.timeline.peak_bytes <= budget:
             chosen = forced
-    if chosen is None and not (request.least_peak or request.partitions_only) and beyond_plans <= budget:
+    fitting = chosen is None and not (request.least_peak or request.partitions_only) and beyond_plans <= budget
+    if fitting and on_count:
+        chosen = on_count[0]  # the compile's schedule checks it
+    if fitting and chosen is None:
         logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
-        chosen, solve_s = replanner.fit(budget, options.time_limit_s)
+        chosen, solve_s = replanner.fit(budget, options.time_limit_s, defer=request.defer_check)
     if chosen is None and not (request.search_least_peak or request.least_peak):
         raise NoSolverPlanFits(budget, floor_at_least)
     if chosen is None and request.partitions_only and stock_candidates and request.decisions is None:
@@ -534,15 +563,21 @@ def _search(
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis_now())
-    before = plain.timeline if plain is not None else replanner.keep_all.timeline
+    if plain is None and replanner.made is None and made_plain:
+        before = made_plain[0].timeline  # (a count: no keep-all check was made)
+    else:
+        before = plain.timeline if plain is not None else replanner.keep_all.timeline
     # the calibrated model the solver's decisions were made on
     analysis = replanner.analysis if plain is None and isinstance(chosen.solution, ActivationSolution) else None
 
-    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, chosen is plain, fuse, num_fwd_outputs, options)
+    # a partition chosen on a count above every schedule fits under Inductor's own rules too
+    on_count = chosen is plain or (isinstance(chosen.solution, StockSolution) and not chosen.checked)
+    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, on_count, fuse, num_fwd_outputs, options)
     request.solution = chosen.solution
     request.deferred = None if chosen.checked else DeferredCheck(
         num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget,
-        adjacent_reuse=inductor_rules_for(options).adjacent_reuse)
+        adjacent_reuse=inductor_rules_for(options).adjacent_reuse,
+        is_default_partition=isinstance(chosen.solution, StockSolution) and chosen.solution.fraction >= 1.0)
     decisions = (chosen.solution.rows if isinstance(chosen.solution, StockSolution)
                  else _decisions(analysis or analysis_now(), chosen.solution))
     plan = _plan_record(graph_id, options, chosen, before, decisions, solve_s, stock_rules, check_s[0])
@@ -687,8 +722,11 @@ class StockPartitions:
         added time counts from plain Inductor (the partition at 1.0, which recomputes some
         pointwise ops too), as the solver's plans count from keep-all, which was no faster."""
         attempt = self._made_at(fraction)
-        if attempt is None:
-            return None
+        return self.added_from_default(attempt) if attempt is not None else None
+
+    def added_from_default(self, attempt: _Attempt) -> _Attempt:
+        """`attempt` (its added time all its recomputations) with its added time counted from the
+        default partition's."""
         base = self._partition(1.0)
         recomputed_s = attempt.solution.added_time_s
         added = max(0.0, recomputed_s - base[2]) if base is not None else recomputed_s
@@ -759,6 +797,39 @@ class StockPartitions:
                  format_bytes(timeline.peak_bytes))
         rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
         return _Attempt(StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
+
+    def within_on_graph_order(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS[1:]
+                              ) -> _Attempt | None:
+        """The partition at the largest of `fractions` (descending) that the graph-order count puts
+        within `budget` (_within_on_graph_order), unchecked (the compile's schedule checks it), if
+        its recomputations are within STOCK_SOLVE_ABOVE of the step (no plan of ours could save
+        more than noise against it); else None. Partitions are made, not lowered: on the GPT style
+        file (12 layers, 4 x 512, chunked loss head) the count was 5% above the 0.8 partition's
+        check, and the 0.4 partition checked 21% above the 0.8 one (`fitting`, which lowers the
+        smallest first, ruled them all out)."""
+        for fraction in fractions:
+            made = self._partition(fraction)
+            if made is None:
+                continue
+            fw, bw, _ = made
+            try:
+                # (with room: the every-value count was 0.3% under the 0.4 partition's check there)
+                within, count = _within_on_graph_order(fw, bw, self.num_fwd_outputs, self.rounding,
+                                                       self.boundary_bytes, int(budget * (1 - _DEFER_MARGIN)))
+            except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
+                log.debug("memcompile: the stock partition at %s could not be counted (%s: %s)", fraction,
+                          type(error).__name__, error)
+                continue
+            if not within or count is None:
+                continue
+            rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
+            attempt = self.added_from_default(_Attempt(StockSolution(fraction, made[2], sum(r.held_bytes for r in rows),
+                                                                     rows), fw, bw, count, checked=False))
+            if attempt.solution.added_time_s <= STOCK_SOLVE_ABOVE * self.step_time_s():
+                log.debug("memcompile: stock partition at activation_memory_budget=%s: graph-order count %s, "
+                          "its check left to the compile", fraction, format_bytes(count.peak_bytes))
+                return attempt
+        return None
 
     def step_time_s(self) -> float:
         """The joint graph's estimated time: forward and backward, no recomputation."""
@@ -897,9 +968,13 @@ class DeferredCheck:
     rounding: AllocatorRounding
     boundary_bytes: int
     budget_bytes: int  # the step budget its checked peak must be within
-    store: tuple | None = None  # (folder, key, plan as planned, solution): a plan store entry once checked
+    # (folder, key, plan as planned, solution, candidate names): a plan store entry once checked
+    store: tuple | None = None
     # the compile's rules reuse a dead buffer only for the next kernel (InductorRules.adjacent_reuse)
     adjacent_reuse: bool = True
+    # PyTorch's default partition: its schedule is the liveness before planning too (nothing of
+    # ours changed it); a solver plan keeps the keep-all check's as its "before"
+    is_default_partition: bool = True
 
 
 def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> Plan | None:
@@ -923,23 +998,27 @@ def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> 
     if timeline.peak_bytes > deferred.budget_bytes:
         return None
     if deferred.store is not None:
-        folder, key, planned, solution = deferred.store
+        folder, key, planned, solution, names = deferred.store
         plan_store.save(folder, key, plan_store.StoredOutcome(
-            plan_store.Outcome.PLAN, plan=_with_timeline(planned, timeline), solution=solution))
-    return _with_timeline(plan, timeline)
+            plan_store.Outcome.PLAN, plan=_with_timeline(planned, timeline, deferred.is_default_partition),
+            solution=solution, candidate_names=names))
+    return _with_timeline(plan, timeline, deferred.is_default_partition)
 
 
-def _with_timeline(plan: Plan, timeline: LivenessTimeline) -> Plan:
-    """A plan whose graphs were planned as they are (nothing recomputed by us), with `timeline`
-    as its liveness before and after."""
-    return dataclasses.replace(
-        plan, predicted_peak_before_bytes=timeline.peak_bytes, predicted_peak_bytes=timeline.peak_bytes,
+def _with_timeline(plan: Plan, timeline: LivenessTimeline, as_before: bool = True) -> Plan:
+    """`plan` with `timeline` as its liveness after planning, and (`as_before`: graphs planned as
+    they are, nothing recomputed by us) before it too."""
+    after = dataclasses.replace(
+        plan, predicted_peak_bytes=timeline.peak_bytes,
         peak_phase=timeline.peak_step.phase, peak_node=timeline.peak_step.node,
         peak_breakdown=timeline.peak_breakdown,
-        live_bytes_before=tuple(s.live_bytes for s in timeline.steps),
         live_bytes_after=tuple(s.live_bytes for s in timeline.steps),
         live_categories_after=timeline.category_series(), peak_tensors=timeline.peak_tensors,
         backward_from_step=timeline.backward_start())
+    if not as_before:
+        return after
+    return dataclasses.replace(after, predicted_peak_before_bytes=timeline.peak_bytes,
+                               live_bytes_before=tuple(s.live_bytes for s in timeline.steps))
 
 
 def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
@@ -952,6 +1031,44 @@ def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
 
 
 _DEFER_MARGIN = 0.02  # room a plan is deferred with where its graph-order estimate is not a bound
+# room under the budget a solver plan's model peak leaves where its check is left to the compile
+# (Replanner._fit_on_model): above the model's largest under-count we saw (1.7%)
+_DEFER_MODEL_MARGIN = 0.03
+
+
+def _within_on_graph_order(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, rounding: AllocatorRounding,
+                           boundary_bytes: int, budget: int) -> tuple[bool, LivenessTimeline | None]:
+    """(whether the graphs peak within `budget` on a count that every Inductor schedule we
+    measured stayed under, that count; else the count with scatters in place). The count: in
+    graph order with every value a buffer; or within _DEFER_MARGIN under the budget with a
+    scatter's copy of a dying input taking that input's buffer, as Inductor's does (counted
+    apart, the GPT style file's tied embedding gradient was held twice at the backward's end,
+    147 MiB over the schedule; so counted, 0.1% under it). (False, None) for symbolic sizes: the
+    compile schedules at the trace's sizes, not those planned for."""
+    if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
+        return False, None
+    in_place = with_held_at_backward_start(analyze_liveness(
+        fw, bw, num_fwd_outputs, rounding=rounding, scatters_in_place=True), boundary_bytes)
+    if in_place.peak_bytes <= int(budget * (1 - _DEFER_MARGIN)):
+        return True, in_place
+    every_value = with_held_at_backward_start(analyze_liveness(
+        fw, bw, num_fwd_outputs, rounding=rounding, scatters_in_place=False), boundary_bytes)
+    if every_value.peak_bytes <= budget:
+        return True, every_value
+    return False, in_place
+
+
+def _checked_default_partition(unchecked: _Attempt, num_fwd_outputs: int, rounding: AllocatorRounding,
+                               boundary_bytes: int, rules: tp.InductorRules | None) -> _Attempt | None:
+    """PyTorch's default partition, made and counted unchecked, checked as plain Inductor compiles
+    it; None if it cannot be."""
+    try:
+        timeline = predicted_liveness(unchecked.forward, unchecked.backward, num_fwd_outputs, _stock_rules(rules),
+                                      rounding, boundary_bytes)
+    except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
+        log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
+        return None
+    return dataclasses.replace(unchecked, timeline=timeline, checked=True)
 
 
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
@@ -976,16 +1093,10 @@ def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifet
         rows = _stock_decisions(fw, 1.0, num_fwd_outputs)
         # added time 0: the 1.0 partition is the baseline the other partitions' added times count from
         solution = StockSolution(1.0, 0.0, sum(r.held_bytes for r in rows), rows)
-        if screen_budget is not None and not (_has_symbolic_sizes(fw) or _has_symbolic_sizes(bw)):
-            # (symbolic sizes: the compile schedules at the trace's sizes, not those planned for)
-            counts = []
-            for in_place, within in ((True, int(screen_budget * (1 - _DEFER_MARGIN))), (False, screen_budget)):
-                counts.append(with_held_at_backward_start(analyze_liveness(
-                    fw, bw, num_fwd_outputs, rounding=rounding, scatters_in_place=in_place), boundary_bytes))
-                if counts[-1].peak_bytes <= within:
-                    return _Attempt(solution, fw, bw, counts[-1], checked=False)
-            if unchecked_if_over and counts[0].peak_bytes > screen_budget:
-                return _Attempt(solution, fw, bw, counts[0], checked=False)
+        if screen_budget is not None:
+            within, count = _within_on_graph_order(fw, bw, num_fwd_outputs, rounding, boundary_bytes, screen_budget)
+            if within or (unchecked_if_over and count is not None):
+                return _Attempt(solution, fw, bw, count, checked=False)
         timeline = predicted_liveness(fw, bw, num_fwd_outputs, _stock_rules(rules), rounding, boundary_bytes)
     except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
         log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
@@ -1028,14 +1139,18 @@ class Replanner:
     uncalibrated: ActivationProblem | None = None  # the model before calibration (for least_peak)
     stock: StockPartitions | None = None  # PyTorch's partitions, where they are candidates
     _least_peak: tuple[_Attempt, float] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _keep_all_count: int | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> tuple:
         problem = self.analysis.problem
         return problem.names, problem.nbytes
 
-    def fit(self, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
+    def fit(self, budget: int, time_limit_s: float, defer: bool = False) -> tuple[_Attempt | None, float]:
         """The least-time plan whose checked peak is <= budget, or None; and the solve time.
+        With `defer` (the compile that follows checks its own schedule: PlanRequest.defer_check),
+        a solver plan the calibrated model puts _DEFER_MODEL_MARGIN under the budget is returned
+        unchecked (_fit_on_model).
         PyTorch's partition at the largest fraction that fits comes first (STOCK_FRACTIONS; only
         1.0, plain Inductor, where keep-all fits: keeping everything was slower than it, 1.10x
         the step on BERT). Where that partition's recomputations are estimated at more than
@@ -1054,7 +1169,10 @@ class Replanner:
                 return stock, stock_s
         if keep_all_fits and stock is None:
             return self.keep_all, 0.0
-        attempt, solve_s = self._fit_with(self.analysis.problem, budget, time_limit_s)
+        attempt, solve_s = self._fit_on_model(budget, time_limit_s) if defer else (None, 0.0)
+        if attempt is None:
+            attempt, more_s = self._fit_with(self.analysis.problem, budget, max(1.0, time_limit_s - solve_s))
+            solve_s += more_s
         if attempt is None and self.uncalibrated is not None and self.uncalibrated != self.analysis.problem:
             # Calibration moves only the error no decision changes; where its model finds no plan
             # that checks under the budget, the uncalibrated model's plans may (a DDP-split MLP).
@@ -1064,6 +1182,49 @@ class Replanner:
                                       and attempt.solution.added_time_s * STOCK_MARGIN < stock.solution.added_time_s):
             return stock, stock_s + solve_s
         return attempt, stock_s + solve_s
+
+    def _fit_on_model(self, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
+        """The solver's plan for the calibrated model at _DEFER_MODEL_MARGIN under `budget`,
+        unchecked: the compile's own schedule checks it (confirm_on_compile), and a plan over is
+        planned again with checks. Each check here is a lowering of the whole graph, as much as
+        the compile's (GPT style file, 12 layers, 4 x 512: about 6 s of a 75 s first call). The
+        calibrated model put solver plans 0-10% above their checks on GPT-2, Llama and BERT small
+        and the 12-layer GPT style file, once 1.7% under; on small attention stacks 3-7% under,
+        hence a second estimate. None (and the solve time) where either estimate is over that
+        target, or the graphs have symbolic sizes (the compile schedules them at the trace's
+        sizes, not those planned for)."""
+        target = int(budget * (1 - _DEFER_MODEL_MARGIN))
+        solution = _solve_or_greedy(self.analysis.problem, target, time_limit_s, self.options)
+        if solution.status == StatusKind.INFEASIBLE or solution.model_peak_bytes > target:
+            return None, solution.solve_s
+        fw, bw = apply_plan(self.joint, self.analysis, solution.keep, solution.recompute, self.num_fwd_outputs,
+                            solution.stored)
+        if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
+            return None, solution.solve_s
+        count = self._count(fw, bw)
+        # The plan's graph-order count, scaled as the keep-all check's schedule scaled its own,
+        # is a second estimate: on small attention stacks the model was 3-7% under the compiled
+        # schedule, that estimate within 1%.
+        scaled = count.peak_bytes * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all())
+        log.debug("target %d: model peak %d, graph-order count %d, scaled as keep-all's %d", target,
+                  solution.model_peak_bytes, count.peak_bytes, scaled)
+        if scaled > target:
+            return None, solution.solve_s
+        # the plan record's peak until the compile's schedule replaces it: the graph-order count
+        return _Attempt(solution, fw, bw, count, checked=False), solution.solve_s
+
+    def _count(self, fw: fx.GraphModule, bw: fx.GraphModule) -> LivenessTimeline:
+        """The graphs' liveness in graph order, every value a buffer but a scatter's copy of a
+        dying input (as Inductor's)."""
+        return with_held_at_backward_start(analyze_liveness(fw, bw, self.num_fwd_outputs,
+                                                            rounding=self.options.allocator_rounding,
+                                                            scatters_in_place=True),
+                                           self.analysis.boundary_bytes)
+
+    def _count_of_keep_all(self) -> int:
+        if self._keep_all_count is None:
+            self._keep_all_count = self._count(self.keep_all.forward, self.keep_all.backward).peak_bytes
+        return self._keep_all_count
 
     def _fit_with(self, problem: ActivationProblem, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
         solve_s = 0.0

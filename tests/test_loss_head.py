@@ -782,7 +782,7 @@ def test_below_the_inputs_and_their_gradients_no_graph_is_planned_for_a_fit_but_
     real, real_fit = planner._plan_joint_graph, planner.Replanner.fit
     with monkeypatch.context() as patch:
         patch.setattr(planner, "_plan_joint_graph", lambda *a, **k: plannings.append(k["request"]) or real(*a, **k))
-        patch.setattr(planner.Replanner, "fit", lambda self, *a: fits.append(1) or real_fit(self, *a))
+        patch.setattr(planner.Replanner, "fit", lambda self, *a, **k: fits.append(1) or real_fit(self, *a, **k))
         torch.compiler.reset()
         plan_cache.clear()
         backend, compiled = compile_under(model, fixed // 2, plan_store=False)
