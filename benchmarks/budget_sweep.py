@@ -102,6 +102,13 @@ def report(path: pathlib.Path) -> str:
               f"Cases with graph breaks: {breaks}. Floors named in a first step of several regions that a run "
               f"at them raised again (a later region needed more): {reruns}. Gradient mismatches: "
               f"{sum('gradients differ' in r['note'] for r in rows)}."]
+    counted = [r for r in rows if "deferred_checks" in r]
+    if counted:
+        deferred = sum(r["deferred_checks"] for r in counted)
+        failed = sum(r["deferred_checks_failed"] for r in counted)
+        lines += ["", f"Plans compiled on an estimate, their compile's schedule checking them (rows that count "
+                  f"them: {len(counted)}): {deferred}; not confirmed, so planned again with checks: {failed}"
+                  + (f" ({failed / deferred:.1%})." if deferred else ".")]
     bad = [r for r in rows if not r["ok"]]
     if bad:
         lines += ["", "Cases that break the rule:", ""]

@@ -658,6 +658,7 @@ class _Region:
             self.backend.plans.append(record.plan)
             logs.stage(f"{record.plan.graph_id}: compiled graphs and their plan from the caches of an earlier launch")
         if request.deferred is not None:
+            self.backend.deferred_checks += 1
             confirmed = confirm_on_compile(request.deferred, schedules, record.plan)
             request.deferred = None
             if confirmed is None:
@@ -1016,7 +1017,8 @@ class Backend:
         self.ledger = StepLedger()
         self.compiles = 0  # graphs compiled (first compiles and re-plans)
         self.checks = check_memo.CheckMemo()  # checks of planned graphs made for this backend
-        self.deferred_checks_failed = 0  # plans chosen on an estimate that their compiled schedule did not confirm
+        self.deferred_checks = 0  # plans chosen on an estimate, left to their compiled schedule to check
+        self.deferred_checks_failed = 0  # ... that their compiled schedule did not confirm
         # What compiling a graph at a call holds on the step's device (set with the workspaces):
         # counted where a region compiles beside what other regions hold.
         self.compile_scratch = 0

@@ -207,6 +207,10 @@ class Outcome:
     max_grad_error: float
     note: str
     seconds: float
+    # over every run of the case: plans compiled on an estimate (their compile's schedule checks
+    # them), and those it did not confirm (planned again with checks)
+    deferred_checks: int = 0
+    deferred_checks_failed: int = 0
 
 
 def _step(model, x, params, compiled, seed: int) -> int:
@@ -300,6 +304,7 @@ def _attempt(case: Case, budget: int, codegen: str, expected) -> tuple[str, tupl
     model, x = build(case)
     params = list(model.parameters()) + [x]
     backend = memcompile.budget(budget, codegen=codegen, time_limit_s=2)
+    _BACKENDS.append(backend)
     compiled = torch.compile(model, backend=backend)
     peaks, retried = [], False
     try:
@@ -328,14 +333,23 @@ def _attempt(case: Case, budget: int, codegen: str, expected) -> tuple[str, tupl
         torch.compiler.reset()
 
 
+_BACKENDS: list = []  # the backends of the case being run (its deferred checks are counted)
+
+
 def run_case(case: Case, codegen: str = "aot_eager", keep_all: int | None = None) -> Outcome:
     began = time.perf_counter()
+    _BACKENDS.clear()
     try:
-        return _run_case(case, codegen, keep_all, began)
+        outcome = _run_case(case, codegen, keep_all, began)
     except Exception as error:  # noqa: BLE001 - a sweep counts crashes, it must not stop at one
         torch.compiler.reset()
-        return Outcome(case, 0, "crash", False, (), 0, 0, 0, 0.0,
-                       f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}", time.perf_counter() - began)
+        outcome = Outcome(case, 0, "crash", False, (), 0, 0, 0, 0.0,
+                          f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}",
+                          time.perf_counter() - began)
+    deferred = sum(b.deferred_checks for b in _BACKENDS)
+    failed = sum(b.deferred_checks_failed for b in _BACKENDS)
+    _BACKENDS.clear()
+    return dataclasses.replace(outcome, deferred_checks=deferred, deferred_checks_failed=failed)
 
 
 def _run_case(case: Case, codegen: str, keep_all: int | None, began: float) -> Outcome:
