@@ -796,7 +796,11 @@ class _Region:
                 return ((PlanOption(0, 0, 0.0), None),)
             return ((PlanOption(plan.predicted_peak_bytes, saved_bytes_of(plan), plan.added_time_s), None),)
         if self._options is None or self._options[0] is not self.replanner:
-            rows = self.replanner.options_between(_OPTIONS_BETWEEN, self.backend.options.time_limit_s)
+            # Planned at a call, after Dynamo returned: PyTorch's partitioner needs the graph's fake
+            # mode for random ops (their seed's placeholder), and op timing must not move the
+            # step's random stream (as in _recompile).
+            with tp.reentered_tracing_context(self.tracing_context), _random_state_kept(self.fake_inputs):
+                rows = self.replanner.options_between(_OPTIONS_BETWEEN, self.backend.options.time_limit_s)
             self._options = (self.replanner, tuple(
                 (PlanOption(peak, held, added), decisions) for peak, held, added, decisions in rows))
         return self._options[1]

@@ -54,6 +54,9 @@ def test_random_steps_keep_the_budget_or_raise_a_typed_error_first(case: Case) -
 INDUCTOR_REGRESSIONS = (
     Case("mlp", 1, 16, 256, 0.0, False, "none", (), False, 0.19106709150239054, seed=29059),
     Case("mlp", 2, 16, 64, 0.1, False, "none", (0,), False, 0.540283606970324, seed=37703),
+    # two regions with dropout: the step plan's options made PyTorch's partitions after Dynamo
+    # returned, without the graph's fake mode that its random ops' seed needs (a crash)
+    Case("conv", 4, 8, 2, 0.1, False, "plain", (0,), False, 0.5273738308933793, seed=37899),
 )
 
 
