@@ -799,7 +799,7 @@ class _Region:
             # Planned at a call, after Dynamo returned: PyTorch's partitioner needs the graph's fake
             # mode for random ops (their seed's placeholder), and op timing must not move the
             # step's random stream (as in _recompile).
-            with tp.reentered_tracing_context(self.tracing_context), _random_state_kept(self.fake_inputs):
+            with tp.reentered_tracing_context(self.tracing_context), _random_state_kept(self.fake_inputs or ()):
                 rows = self.replanner.options_between(_OPTIONS_BETWEEN, self.backend.options.time_limit_s)
             self._options = (self.replanner, tuple(
                 (PlanOption(peak, held, added), decisions) for peak, held, added, decisions in rows))
