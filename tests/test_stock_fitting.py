@@ -55,7 +55,13 @@ def test_at_a_tight_budget_at_most_two_partitions_are_checked():
     for checked, counted in (GPT, LLAMA):
         stock, lowered = _partitions(checked, counted)
         assert stock.fitting(min(checked.values()) - 1) is None
-        assert len(lowered) <= 2
+        assert 1 <= len(lowered) <= 2
+
+
+def test_far_below_every_partition_one_check_is_spent():
+    stock, lowered = _partitions(*GPT)
+    assert stock.fitting(1_478_872_070) is None  # 0.5x plain's peak: 0.8 checks 29% over
+    assert lowered == [0.8]
 
 
 def test_a_larger_fraction_is_not_checked_where_its_scaled_count_is_well_over():
@@ -79,7 +85,9 @@ def test_what_it_takes_fits_and_nothing_it_checked_and_passed_by_was_larger_and_
         # none checked fits; the least count and the smallest fraction were both checked
         assert all(checked[f] > budget for f in lowered)
         least = min(fractions, key=lambda f: (counted[f], -f))
-        assert least in lowered and fractions[-1] in lowered
+        assert least in lowered
+        far_over = checked[least] > budget * (1 + planner._SMALLEST_CHECK_GAP)
+        assert (fractions[-1] in lowered) == (not far_over or least == fractions[-1])
         return
     assert chosen.timeline.peak_bytes <= budget
     taken = chosen.solution.fraction
