@@ -841,40 +841,48 @@ class StockPartitions:
     def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
         """The partition at the largest of `fractions` (descending) whose checked peak fits; each
         check is a lowering and schedule of the whole graph (GPT-2 124M at 1 x 256 tokens: 5-16 s),
-        so few are made. Partition peaks do not fall with the fraction (GPT style file, 12 layers,
-        4 x 512, chunked head: 0.8 checked 1.91 GB, 0.6 2.22 GB, 0.4 2.30 GB; Llama small: 0.6
-        above 0.8), but their graph-order counts (made, not lowered) mostly rank them as their
-        checks do. So the partition with the least count is checked first, then the smallest
-        fraction where that did not fit (on Llama small 0.4 checked lowest, counted third) unless
-        it checked more than _SMALLEST_CHECK_GAP over: where neither fits (tight budgets, where
-        the solver plans), none is taken. From a fitting one,
-        the larger fractions are checked from the largest down, skipping those whose count,
-        scaled as the fitting one's check scaled its count, is over the budget by more than
-        _SCALED_COUNT_SLACK; the first that fits is taken."""
+        so few are made. The smallest fraction is checked first; where it fits, the larger ones
+        by bisection. Partition peaks do not fall with the fraction, though (GPT style file, 12
+        layers, 4 x 512, chunked head: 0.8 checked 1.91 GB, 0.6 2.22 GB, 0.4 2.30 GB): where the
+        smallest is over the budget by at most _SMALLEST_CHECK_GAP, the others are made (not
+        lowered) and the one with the least graph-order count is checked; where it fits, the
+        larger fractions from the largest down, skipping those whose count, scaled as its check
+        scaled its count, is over the budget by more than _SCALED_COUNT_SLACK. Far below every
+        partition (tight budgets, below the floor) that is one partition made and one check."""
+        fits = len(fractions) - 1
+        smallest = self._made_at(fractions[fits])
+        if smallest is None or smallest.timeline.peak_bytes > budget:
+            if smallest is not None and smallest.timeline.peak_bytes > budget * (1 + _SMALLEST_CHECK_GAP):
+                return None
+            return self._fitting_by_count(budget, fractions[:-1])
+        low, high = 0, fits - 1
+        while low <= high:
+            middle = (low + high) // 2
+            made = self._made_at(fractions[middle])
+            if made is not None and made.timeline.peak_bytes <= budget:
+                fits, high = middle, middle - 1
+            else:
+                low = middle + 1
+        return self.at(fractions[fits])
+
+    def _fitting_by_count(self, budget: int, fractions: tuple[float, ...]) -> _Attempt | None:
         counted = [f for f in fractions if self._count_at(f) is not None]
         if not counted:
             return None
         least = min(counted, key=lambda f: (self._count_at(f), -f))
-        fitting = None
-        for fraction in dict.fromkeys((least, fractions[-1])):
-            made = self._made_at(fraction) if fraction in counted else None
-            if made is not None and made.timeline.peak_bytes <= budget:
-                fitting = made
-                break
-            if made is not None and made.timeline.peak_bytes > budget * (1 + _SMALLEST_CHECK_GAP):
-                break  # far over: no other partition fits (tight budgets, below the floor: one check)
-        if fitting is None:
+        fitting = self._made_at(least)
+        if fitting is None or fitting.timeline.peak_bytes > budget:
             return None
-        scale = fitting.timeline.peak_bytes / max(1, self._count_at(fitting.solution.fraction) or 1)
+        scale = fitting.timeline.peak_bytes / max(1, self._count_at(least) or 1)
         for fraction in counted:
-            if fraction <= fitting.solution.fraction:
+            if fraction <= least:
                 break
             if self._count_at(fraction) * scale > budget * (1 + _SCALED_COUNT_SLACK):
                 continue
             made = self._made_at(fraction)
             if made is not None and made.timeline.peak_bytes <= budget:
                 return self.at(fraction)
-        return self.at(fitting.solution.fraction)
+        return self.at(least)
 
     def _count_at(self, fraction: float) -> int | None:
         """The partition's peak counted in graph order (every value a buffer but a scatter's copy
@@ -898,9 +906,9 @@ class StockPartitions:
 # fitting one's check scaled its own count, is this far over the budget (partitions' checks were
 # 0.95-1.0x their counts on the GPT style file at 4 x 512, 0.6-0.9x on GPT-2/Llama/BERT small).
 _SCALED_COUNT_SLACK = 0.05
-# Where the least-count partition checks this far over the budget, the smallest fraction is not
-# checked too: the largest gap seen between the two was 21% (Llama small: 0.6 at 17.2 MB,
-# counted least; 0.4 at 14.2 MB), and below the floor every check is a lowering spent for nothing.
+# Where the smallest fraction's partition checks this far over the budget, no other is made or
+# checked: the largest gap seen between it and the lowest partition was 21% (GPT style file, 12
+# layers, 4 x 512: 0.4 at 2.30 GB, 0.8 at 1.91 GB); below the floor each is a lowering for nothing.
 _SMALLEST_CHECK_GAP = 0.25
 
 

@@ -1,5 +1,6 @@
 """Which of PyTorch's partitions is checked, and which is taken (planner.StockPartitions.fitting):
-partition peaks do not fall with the fraction, so the least graph-order count is checked first."""
+partition peaks do not fall with the fraction, so where the smallest fraction is a little over the
+budget, the partition with the least graph-order count is checked too."""
 
 from __future__ import annotations
 
@@ -35,61 +36,46 @@ LLAMA = ({1.0: 18_035_272, 0.8: 15_581_768, 0.6: 17_187_400, 0.4: 14_244_936},
          {1.0: 25_387_620, 0.8: 22_147_684, 0.6: 19_315_812, 0.4: 22_113_356})
 
 
-def test_the_partition_with_the_least_count_is_checked_first():
-    # 0.4, checked first before, is over 1.92 GB; 0.8 fits at 1.91 GB: one check finds it
+def test_where_the_smallest_fraction_is_a_little_over_the_least_count_is_checked():
+    # 0.4 is over 1.92 GB by 20%; 0.8, counted least, fits at 1.91 GB
     stock, lowered = _partitions(*GPT)
     chosen = stock.fitting(1_922_533_691)
-    assert chosen.solution.fraction == 0.8 and lowered == [0.8]
+    assert chosen.solution.fraction == 0.8 and lowered == [0.4, 0.8]
 
 
-def test_where_the_least_count_does_not_fit_the_smallest_fraction_is_checked_too():
-    # Llama small: 0.6 has the least count but checks at 17.2 MB; 0.4 checks at 14.2 MB
-    stock, lowered = _partitions(*LLAMA)
+def test_where_the_smallest_fraction_fits_the_larger_ones_are_bisected():
+    stock, lowered = _partitions(*LLAMA)  # 0.4 checks at 14.2 MB
     chosen = stock.fitting(15_000_000)
-    assert chosen.solution.fraction == 0.4 and lowered[:2] == [0.6, 0.4]
-    # 0.8 (22.1 MB counted, scaled as 0.4's check scaled its count: 14.3 MB) is checked: over
-    assert lowered == [0.6, 0.4, 0.8]
-
-
-def test_at_a_tight_budget_at_most_two_partitions_are_checked():
-    for checked, counted in (GPT, LLAMA):
-        stock, lowered = _partitions(checked, counted)
-        assert stock.fitting(min(checked.values()) - 1) is None
-        assert 1 <= len(lowered) <= 2
+    assert chosen.solution.fraction == 0.4 and lowered[0] == 0.4 and len(lowered) <= 3
 
 
 def test_far_below_every_partition_one_check_is_spent():
     stock, lowered = _partitions(*GPT)
-    assert stock.fitting(1_478_872_070) is None  # 0.5x plain's peak: 0.8 checks 29% over
-    assert lowered == [0.8]
+    assert stock.fitting(1_478_872_070) is None  # 0.5x plain's peak: 0.4 checks 56% over
+    assert lowered == [0.4]
 
 
 def test_a_larger_fraction_is_not_checked_where_its_scaled_count_is_well_over():
-    checked = {1.0: 200, 0.8: 150, 0.4: 100}
-    counted = {1.0: 400, 0.8: 160, 0.4: 110}  # 1.0: 400 x 100/110 = 364, far over 120
+    checked = {1.0: 200, 0.8: 130, 0.6: 118, 0.4: 140}  # 0.4 a little over 135
+    counted = {1.0: 400, 0.8: 150, 0.6: 125, 0.4: 150}  # 1.0: 400 x 118/125 = 378, far over
     stock, lowered = _partitions(checked, counted)
-    assert stock.fitting(120).solution.fraction == 0.4
-    assert 1.0 not in lowered
+    assert stock.fitting(135).solution.fraction == 0.8
+    assert lowered == [0.4, 0.6, 0.8]
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(50, 400), min_size=4, max_size=4), st.lists(st.floats(0.5, 1.8), min_size=4, max_size=4),
        st.integers(40, 420))
-def test_what_it_takes_fits_and_nothing_it_checked_and_passed_by_was_larger_and_fitting(peaks, ratios, budget):
+def test_what_it_takes_fits_and_each_partition_is_checked_once(peaks, ratios, budget):
     fractions = planner.STOCK_FRACTIONS
     checked = dict(zip(fractions, peaks))
     counted = {f: int(p * r) for f, p, r in zip(fractions, peaks, ratios)}
     stock, lowered = _partitions(checked, counted)
     chosen = stock.fitting(budget)
+    assert lowered[0] == fractions[-1] and len(lowered) == len(set(lowered))
+    if checked[fractions[-1]] > budget * (1 + planner._SMALLEST_CHECK_GAP):
+        assert chosen is None and lowered == [fractions[-1]]
     if chosen is None:
-        # none checked fits; the least count and the smallest fraction were both checked
         assert all(checked[f] > budget for f in lowered)
-        least = min(fractions, key=lambda f: (counted[f], -f))
-        assert least in lowered
-        far_over = checked[least] > budget * (1 + planner._SMALLEST_CHECK_GAP)
-        assert (fractions[-1] in lowered) == (not far_over or least == fractions[-1])
         return
     assert chosen.timeline.peak_bytes <= budget
-    taken = chosen.solution.fraction
-    assert not any(f > taken and checked[f] <= budget for f in lowered)  # the largest fitting one it saw
-    assert len(lowered) == len(set(lowered))  # each lowered once
