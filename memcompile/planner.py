@@ -892,9 +892,8 @@ class StockPartitions:
             count = None
             if made is not None:
                 try:
-                    count = with_held_at_backward_start(analyze_liveness(
-                        made[0], made[1], self.num_fwd_outputs, rounding=self.rounding, scatters_in_place=True),
-                        self.boundary_bytes).peak_bytes
+                    count = _graph_order_count(made[0], made[1], self.num_fwd_outputs, self.rounding,
+                                               self.boundary_bytes).peak_bytes
                 except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
                     log.debug("memcompile: the stock partition at %s could not be counted (%s: %s)", fraction,
                               type(error).__name__, error)
@@ -1089,6 +1088,14 @@ _DEFER_MARGIN = 0.02  # room a plan is deferred with where its graph-order estim
 _DEFER_MODEL_MARGIN = 0.03
 
 
+def _graph_order_count(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, rounding: AllocatorRounding,
+                       boundary_bytes: int, scatters_in_place: bool = True) -> LivenessTimeline:
+    """The graphs' liveness in graph order, every value a buffer (but, with `scatters_in_place`, a
+    scatter's copy of a dying input, which takes that input's buffer as Inductor's does)."""
+    return with_held_at_backward_start(analyze_liveness(fw, bw, num_fwd_outputs, rounding=rounding,
+                                                        scatters_in_place=scatters_in_place), boundary_bytes)
+
+
 def _within_on_graph_order(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, rounding: AllocatorRounding,
                            boundary_bytes: int, budget: int) -> tuple[bool, LivenessTimeline | None]:
     """(whether the graphs peak within `budget` on a count that every Inductor schedule we
@@ -1100,12 +1107,10 @@ def _within_on_graph_order(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outpu
     compile schedules at the trace's sizes, not those planned for."""
     if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
         return False, None
-    in_place = with_held_at_backward_start(analyze_liveness(
-        fw, bw, num_fwd_outputs, rounding=rounding, scatters_in_place=True), boundary_bytes)
+    in_place = _graph_order_count(fw, bw, num_fwd_outputs, rounding, boundary_bytes)
     if in_place.peak_bytes <= int(budget * (1 - _DEFER_MARGIN)):
         return True, in_place
-    every_value = with_held_at_backward_start(analyze_liveness(
-        fw, bw, num_fwd_outputs, rounding=rounding, scatters_in_place=False), boundary_bytes)
+    every_value = _graph_order_count(fw, bw, num_fwd_outputs, rounding, boundary_bytes, scatters_in_place=False)
     if every_value.peak_bytes <= budget:
         return True, every_value
     return False, in_place
@@ -1254,7 +1259,8 @@ class Replanner:
                             solution.stored)
         if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
             return None, solution.solve_s
-        count = self._count(fw, bw)
+        count = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                   self.analysis.boundary_bytes)
         # The plan's graph-order count, scaled as the keep-all check's schedule scaled its own,
         # is a second estimate: on small attention stacks the model was 3-7% under the compiled
         # schedule, that estimate within 1%.
@@ -1266,17 +1272,11 @@ class Replanner:
         # the plan record's peak until the compile's schedule replaces it: the graph-order count
         return _Attempt(solution, fw, bw, count, checked=False), solution.solve_s
 
-    def _count(self, fw: fx.GraphModule, bw: fx.GraphModule) -> LivenessTimeline:
-        """The graphs' liveness in graph order, every value a buffer but a scatter's copy of a
-        dying input (as Inductor's)."""
-        return with_held_at_backward_start(analyze_liveness(fw, bw, self.num_fwd_outputs,
-                                                            rounding=self.options.allocator_rounding,
-                                                            scatters_in_place=True),
-                                           self.analysis.boundary_bytes)
-
     def _count_of_keep_all(self) -> int:
         if self._keep_all_count is None:
-            self._keep_all_count = self._count(self.keep_all.forward, self.keep_all.backward).peak_bytes
+            self._keep_all_count = _graph_order_count(self.keep_all.forward, self.keep_all.backward,
+                                                      self.num_fwd_outputs, self.options.allocator_rounding,
+                                                      self.analysis.boundary_bytes).peak_bytes
         return self._keep_all_count
 
     def _fit_with(self, problem: ActivationProblem, budget: int, time_limit_s: float) -> tuple[_Attempt | None, float]:
