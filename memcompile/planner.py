@@ -472,7 +472,7 @@ def _search(
                               options, device, made_plain[0] if made_plain else None, stock_now())
 
     plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
-    on_count: list[_Attempt | None] = []  # another partition within the budget on its count, once counted
+    partition_on_count: _Attempt | None = None  # another partition within the budget on its count
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
     # The rewrite the ladder tries next costs less than any plan of this graph could save
     # (STOCK_SOLVE_ABOVE): where PyTorch's default partition is over the budget, its graph is
@@ -500,8 +500,8 @@ def _search(
             # only where there is none is the default partition checked (a lowering).
             logs.stage(f"{graph_id}: counting PyTorch's partitions")
             stock = stock_now()
-            on_count = [stock.within_on_graph_order(budget) if stock is not None else None]
-            if on_count[0] is None:
+            partition_on_count = stock.within_on_graph_order(budget) if stock is not None else None
+            if partition_on_count is None:
                 logs.stage(f"{graph_id}: checking plain Inductor's partition")
                 plain = _checked_default_partition(plain, num_fwd_outputs, options.allocator_rounding,
                                                    options.boundary_bytes, _checks_schedule(options))
@@ -533,8 +533,8 @@ def _search(
         if forced is not None and forced.timeline.peak_bytes <= budget:
             chosen = forced
     fitting = chosen is None and not (request.least_peak or request.partitions_only) and beyond_plans <= budget
-    if fitting and on_count:
-        chosen = on_count[0]  # the compile's schedule checks it
+    if fitting and partition_on_count is not None:
+        chosen = partition_on_count  # the compile's schedule checks it
     if fitting and chosen is None:
         logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
         chosen, solve_s = replanner.fit(budget, options.time_limit_s, defer=request.defer_check)
@@ -571,8 +571,8 @@ def _search(
     analysis = replanner.analysis if plain is None and isinstance(chosen.solution, ActivationSolution) else None
 
     # a partition chosen on a count above every schedule fits under Inductor's own rules too
-    on_count = chosen is plain or (isinstance(chosen.solution, StockSolution) and not chosen.checked)
-    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, on_count, fuse, num_fwd_outputs, options)
+    chosen_on_count = chosen is plain or (isinstance(chosen.solution, StockSolution) and not chosen.checked)
+    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, chosen_on_count, fuse, num_fwd_outputs, options)
     request.solution = chosen.solution
     request.deferred = None if chosen.checked else DeferredCheck(
         num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget,
@@ -873,7 +873,7 @@ class StockPartitions:
         fitting = self._made_at(least)
         if fitting is None or fitting.timeline.peak_bytes > budget:
             return None
-        scale = fitting.timeline.peak_bytes / max(1, self._count_at(least) or 1)
+        scale = fitting.timeline.peak_bytes / max(1, self._count_at(least))
         for fraction in counted:
             if fraction <= least:
                 break
