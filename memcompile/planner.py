@@ -320,7 +320,9 @@ def _stock_partitions(joint, joint_inputs, analysis: JointAnalysis, profile, num
                             _headroom_bytes(options.step_budget_bytes, joint_inputs),
                             boundary_bytes=options.boundary_bytes, rules=_checks_schedule(options))
     if plain is not None:
-        stock.seed(1.0, plain.forward, plain.backward)
+        # its graph-order count (scatters in place) where it was counted over the budget unchecked
+        over_on_count = not plain.checked and plain.timeline.peak_bytes > options.step_budget_bytes
+        stock.seed(1.0, plain.forward, plain.backward, plain.timeline.peak_bytes if over_on_count else None)
     return stock
 
 
@@ -473,6 +475,7 @@ def _search(
 
     plain, plain_over = None, False  # plain_over: PyTorch's default partition checked over the budget
     partition_on_count: _Attempt | None = None  # another partition within the budget on its count
+    partition_checked: _Attempt | None = None  # else one that its check puts within the budget
     beyond_plans = 0  # bytes no plan of this graph lowers (0: not known)
     # The rewrite the ladder tries next costs less than any plan of this graph could save
     # (STOCK_SOLVE_ABOVE): where PyTorch's default partition is over the budget, its graph is
@@ -501,7 +504,16 @@ def _search(
             logs.stage(f"{graph_id}: counting PyTorch's partitions")
             stock = stock_now()
             partition_on_count = stock.within_on_graph_order(budget) if stock is not None else None
-            if partition_on_count is None:
+            if partition_on_count is None and stock is not None:
+                # None within the budget on its count: checked from the least count (the default
+                # partition first where its count is near the budget); each check a lowering.
+                # Below the floor (GPT style file, 12 layers, 4 x 512) the default partition's
+                # check was one lowering per graph of the ladder for nothing.
+                logs.stage(f"{graph_id}: checking PyTorch's partitions")
+                fitted = stock.fitting(budget, counted_first=True)
+                if fitted is not None and fitted.solution.added_time_s <= STOCK_SOLVE_ABOVE * stock.step_time_s():
+                    partition_checked = fitted
+            elif partition_on_count is None:
                 logs.stage(f"{graph_id}: checking plain Inductor's partition")
                 plain = _checked_default_partition(plain, num_fwd_outputs, options.allocator_rounding,
                                                    options.boundary_bytes, _checks_schedule(options))
@@ -535,11 +547,15 @@ def _search(
     fitting = chosen is None and not (request.least_peak or request.partitions_only) and beyond_plans <= budget
     if fitting and partition_on_count is not None:
         chosen = partition_on_count  # the compile's schedule checks it
+    if fitting and partition_checked is not None:
+        chosen = partition_checked
     if fitting and chosen is None:
         logs.stage(f"{graph_id}: finding the fastest plan within {format_bytes(budget)}")
         chosen, solve_s = replanner.fit(budget, options.time_limit_s, defer=request.defer_check)
     if chosen is None and not (request.search_least_peak or request.least_peak):
-        raise NoSolverPlanFits(budget, floor_at_least)
+        partitions_least = made_stock[0].least_peak_at_least() if made_stock and made_stock[0] is not None else 0
+        raise NoSolverPlanFits(budget, max(floor_at_least, partitions_least + options.reserve_bytes
+                                           if partitions_least else 0))
     if chosen is None and request.partitions_only and stock_candidates and request.decisions is None:
         # A graph of the ladder before the one the solver searched: the least peak of PyTorch's
         # partitions, taken as its smallest fraction's (one lowering; on the GPT style file its
@@ -716,6 +732,7 @@ class StockPartitions:
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
     _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _counts: dict = dataclasses.field(default_factory=dict, repr=False)
+    _fitted: dict = dataclasses.field(default_factory=dict, repr=False)  # fitting's answer per (budget, fractions)
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
 
     def at(self, fraction: float) -> _Attempt | None:
@@ -746,10 +763,14 @@ class StockPartitions:
             self._partitions[fraction] = self._make_partition(fraction)
         return self._partitions[fraction]
 
-    def seed(self, fraction: float, forward: fx.GraphModule, backward: fx.GraphModule) -> None:
-        """The partition at `fraction` made elsewhere (plain Inductor's, at 1.0): not made again."""
+    def seed(self, fraction: float, forward: fx.GraphModule, backward: fx.GraphModule,
+             count: int | None = None) -> None:
+        """The partition at `fraction` made elsewhere (plain Inductor's, at 1.0), and its graph-order
+        count where that was made too (_count_at's): not made again."""
         if fraction not in self._partitions:
             self._partitions[fraction] = self._screened(fraction, forward, backward)
+        if count is not None and self._partitions[fraction] is not None:
+            self._counts.setdefault(fraction, count)
 
     def _make_partition(self, fraction: float) -> tuple[fx.GraphModule, fx.GraphModule, float] | None:
         scratch = knapsack_scratch_bytes(fraction)
@@ -838,17 +859,28 @@ class StockPartitions:
             self._step_time_s = estimated_step_s(self.joint, self.profile)
         return self._step_time_s
 
-    def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS) -> _Attempt | None:
-        """The partition at the largest of `fractions` (descending) whose checked peak fits; each
-        check is a lowering and schedule of the whole graph (GPT-2 124M at 1 x 256 tokens: 5-16 s),
-        so few are made. The smallest fraction is checked first; where it fits, the larger ones
-        by bisection. Partition peaks do not fall with the fraction, though (GPT style file, 12
-        layers, 4 x 512, chunked head: 0.8 checked 1.91 GB, 0.6 2.22 GB, 0.4 2.30 GB): where the
-        smallest is over the budget by at most _SMALLEST_CHECK_GAP, the others are made (not
-        lowered) and the one with the least graph-order count is checked; where it fits, the
-        larger fractions from the largest down, skipping those whose count, scaled as its check
-        scaled its count, is over the budget by more than _SCALED_COUNT_SLACK. Far below every
-        partition (tight budgets, below the floor) that is one partition made and one check."""
+    def fitting(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS,
+                counted_first: bool = False) -> _Attempt | None:
+        """The partition at the largest of `fractions` (descending) whose checked peak fits, or
+        None; found once per budget. Each check is a lowering and schedule of the whole graph
+        (GPT-2 124M at 1 x 256 tokens: 5-16 s), so few are made. The smallest fraction is checked
+        first; where it fits, the larger ones by bisection. Partition peaks do not fall with the
+        fraction, though (GPT style file, 12 layers, 4 x 512, chunked head: 0.8 checked 1.91 GB,
+        0.6 2.22 GB, 0.4 2.30 GB): where the smallest is over the budget by at most
+        _SMALLEST_CHECK_GAP, the others are made (not lowered) and the one with the least
+        graph-order count is checked; where it fits, the larger fractions from the largest down,
+        skipping those whose count, scaled as its check scaled its count, is over the budget by
+        more than _SCALED_COUNT_SLACK. Far below every partition (tight budgets, below the floor)
+        that is one partition made and one check. With `counted_first` (the partitions are made
+        and counted already: within_on_graph_order) the least count is checked first, after the
+        default partition where its count is within _COUNT_OVER_CHECK of the budget."""
+        key = (budget, fractions)
+        if key not in self._fitted:
+            self._fitted[key] = (self._fitting_by_count(budget, fractions, default_first=True) if counted_first
+                                 else self._fitting(budget, fractions))
+        return self._fitted[key]
+
+    def _fitting(self, budget: int, fractions: tuple[float, ...]) -> _Attempt | None:
         fits = len(fractions) - 1
         smallest = self._made_at(fractions[fits])
         if smallest is None or smallest.timeline.peak_bytes > budget:
@@ -865,10 +897,16 @@ class StockPartitions:
                 low = middle + 1
         return self.at(fractions[fits])
 
-    def _fitting_by_count(self, budget: int, fractions: tuple[float, ...]) -> _Attempt | None:
+    def _fitting_by_count(self, budget: int, fractions: tuple[float, ...],
+                          default_first: bool = False) -> _Attempt | None:
         counted = [f for f in fractions if self._count_at(f) is not None]
         if not counted:
             return None
+        if default_first and counted[0] >= 1.0 and self._count_at(1.0) <= budget * (1 + _COUNT_OVER_CHECK):
+            # the default partition, the fastest, where its check may be within the budget
+            default = self._made_at(1.0)
+            if default is not None and default.timeline.peak_bytes <= budget:
+                return self.at(1.0)
         least = min(counted, key=lambda f: (self._count_at(f), -f))
         fitting = self._made_at(least)
         if fitting is None or fitting.timeline.peak_bytes > budget:
@@ -877,12 +915,52 @@ class StockPartitions:
         for fraction in counted:
             if fraction <= least:
                 break
-            if self._count_at(fraction) * scale > budget * (1 + _SCALED_COUNT_SLACK):
-                continue
+            if fraction in self._made or self._count_at(fraction) * scale > budget * (1 + _SCALED_COUNT_SLACK):
+                continue  # (checked already, over: fractions before this one fit or it would be the answer)
             made = self._made_at(fraction)
             if made is not None and made.timeline.peak_bytes <= budget:
                 return self.at(fraction)
         return self.at(least)
+
+    def least_peak_at_least(self) -> int:
+        """A peak below which none of these partitions is expected (0: none checked yet): the
+        least of the checked peaks and of the other partitions' graph-order counts, scaled as the
+        checks scaled their own counts (the least such scale) and less _PARTITION_ESTIMATE_SLACK.
+        0 where a partition neither checked nor counted could be lower."""
+        checked = {f: a.timeline.peak_bytes for f, a in self._made.items() if a is not None}
+        scales = [checked[f] / self._counts[f] for f in checked if self._counts.get(f)]
+        if not checked or not scales:
+            return 0
+        least = min(checked.values())
+        for fraction in STOCK_FRACTIONS:
+            if fraction in checked or self._partitions.get(fraction, 0) is None:
+                continue  # checked, or not a candidate here
+            if self._counts.get(fraction) is None:
+                return 0
+            least = min(least, int(self._counts[fraction] * min(scales) / (1 + _PARTITION_ESTIMATE_SLACK)))
+        return least
+
+    def least_peak_partition(self, below: int) -> _Attempt | None:
+        """The partition with the least checked peak, checking first those not checked yet whose
+        estimate (least_peak_at_least's) is below `below` and every checked one; the smallest fraction's where none was
+        checked before (None where it cannot be made). A candidate for a graph's least peak: on
+        the GPT style file (12 layers, loss head chunked) PyTorch's 0.4 partition peaked 150 MB
+        below the solver's least-peak plan."""
+        checked = [f for f, a in self._made.items() if a is not None]
+        scales = [self._made[f].timeline.peak_bytes / self._counts[f] for f in checked if self._counts.get(f)]
+        below = min([below] + [self._made[f].timeline.peak_bytes for f in checked])
+        if not scales:
+            self._made_at(STOCK_FRACTIONS[-1])
+        for fraction in STOCK_FRACTIONS if scales else ():
+            if fraction in self._made or self._partitions.get(fraction, 0) is None:
+                continue
+            count = self._count_at(fraction)
+            if count is not None and count * min(scales) / (1 + _PARTITION_ESTIMATE_SLACK) < below:
+                self._made_at(fraction)
+        made = [f for f, a in self._made.items() if a is not None]
+        if not made:
+            return None
+        return self.at(min(made, key=lambda f: (self._made[f].timeline.peak_bytes, -f)))
 
     def _count_at(self, fraction: float) -> int | None:
         """The partition's peak counted in graph order (every value a buffer but a scatter's copy
@@ -909,6 +987,13 @@ _SCALED_COUNT_SLACK = 0.05
 # checked: the largest gap seen between it and the lowest partition was 21% (GPT style file, 12
 # layers, 4 x 512: 0.4 at 2.30 GB, 0.8 at 1.91 GB); below the floor each is a lowering for nothing.
 _SMALLEST_CHECK_GAP = 0.25
+# The default partition's graph-order count was up to 43% above its check (GPT-2 and Llama
+# small: 24.6 MB counted, 17.2 MB checked): within this of the budget it is checked first.
+_COUNT_OVER_CHECK = 0.45
+# A partition's check, against its count scaled as another partition's check of the same graph
+# scaled its own: 0.83-1.22x (GPT-2, Llama, BERT, ViT small, each graph of their ladders; the GPT
+# style file at 6 layers): an estimate this far under is taken as the least it may check at.
+_PARTITION_ESTIMATE_SLACK = 0.2
 
 
 def estimated_step_s(joint: fx.GraphModule, profile) -> float:
@@ -975,7 +1060,9 @@ class NoSolverPlanFits(Exception):
     """No PyTorch partition or solver plan fits; the least-peak search (which may still find one,
     and otherwise names the smallest budget) was not run, as PlanRequest.search_least_peak asked.
     `floor_at_least`: a budget below which no plan of this graph fits (0: not known), so that a
-    ladder need not search this graph's least peak where another graph's is already lower.
+    ladder need not search this graph's least peak where another graph's is already lower; where
+    PyTorch's partitions were checked, the least they are expected at (least_peak_at_least: what
+    a ladder's search of a graph before the last one looks for).
     `rewrite_first`: only PyTorch's default partition was tried (PlanRequest.rewrite_first_s)."""
 
     def __init__(self, budget_bytes: int, floor_at_least: int = 0, rewrite_first: bool = False) -> None:
@@ -1380,7 +1467,8 @@ class Replanner:
             # file (12 layers, loss head chunked) it peaked 150 MB below the solver's least-peak
             # plan, whose schedule held a gradient made in the forward together with the backward's
             # temporaries; a floor named above a plan that fits would turn away a budget that works.
-            smallest = self.stock.at(STOCK_FRACTIONS[-1]) if self.stock is not None else None
+            smallest = (self.stock.least_peak_partition(below=least.timeline.peak_bytes) if self.stock is not None
+                        else None)
             if smallest is not None and smallest.timeline.peak_bytes < least.timeline.peak_bytes:
                 least = smallest
             self._least_peak = (least, solve_s)

@@ -79,3 +79,72 @@ def test_what_it_takes_fits_and_each_partition_is_checked_once(peaks, ratios, bu
         assert all(checked[f] > budget for f in lowered)
         return
     assert chosen.timeline.peak_bytes <= budget
+
+
+# With the partitions made and counted already (no partition within the budget on its count), the
+# default partition is checked first only where its count is near the budget, then the least count.
+
+def test_counted_first_far_below_checks_only_the_least_count():
+    stock, lowered = _partitions(*GPT)
+    assert stock.fitting(1_478_872_070, counted_first=True) is None  # 0.5x plain's peak: below the floor
+    assert lowered == [0.8]  # the default's count is 66% over: not checked
+
+
+def test_counted_first_checks_the_default_where_its_count_is_near():
+    stock, lowered = _partitions(*GPT)
+    chosen = stock.fitting(1_922_533_691, counted_first=True)  # 0.65x plain's peak
+    assert chosen.solution.fraction == 0.8 and lowered == [1.0, 0.8]
+    stock, lowered = _partitions(*LLAMA)  # counted 41% over its check: fits where its count does not
+    assert stock.fitting(19_000_000, counted_first=True).solution.fraction == 1.0 and lowered == [1.0]
+
+
+def test_each_budget_is_fitted_once():
+    stock, lowered = _partitions(*GPT)
+    first = stock.fitting(1_922_533_691, counted_first=True)
+    assert stock.fitting(1_922_533_691) is first and lowered == [1.0, 0.8]
+
+
+def test_the_least_partition_peak_is_estimated_from_what_was_checked():
+    stock, lowered = _partitions(*GPT)
+    assert stock.least_peak_at_least() == 0  # nothing checked: not known
+    stock.fitting(1_478_872_070, counted_first=True)  # 0.8 checked: 1.91 GB
+    estimate = stock.least_peak_at_least()
+    scale = GPT[0][0.8] / GPT[1][0.8]
+    assert estimate == min(GPT[0][0.8], *(int(GPT[1][f] * scale / (1 + planner._PARTITION_ESTIMATE_SLACK))
+                                          for f in (1.0, 0.6, 0.4)))
+    assert 0 < estimate <= min(GPT[0].values())  # under every check of this graph
+
+
+def test_the_least_peak_partition_checks_only_those_that_may_be_lower():
+    stock, lowered = _partitions(*GPT)
+    assert stock.least_peak_partition(below=10**12).solution.fraction == 0.4 and lowered == [0.4]  # none checked
+    stock, lowered = _partitions(*GPT)
+    stock.fitting(1_478_872_070, counted_first=True)
+    # below the 0.8 partition's 1.91 GB only what its scale puts 20% under it is checked
+    least = stock.least_peak_partition(below=1_700_000_000)
+    scale = GPT[0][0.8] / GPT[1][0.8]
+    expected = [0.8] + [f for f in (1.0, 0.6, 0.4)
+                        if GPT[1][f] * scale / (1 + planner._PARTITION_ESTIMATE_SLACK) < 1_700_000_000]
+    assert lowered == expected and least.solution.fraction == 0.8
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(50, 400), min_size=4, max_size=4), st.lists(st.floats(0.5, 1.8), min_size=4, max_size=4),
+       st.integers(40, 420))
+def test_counted_first_takes_what_fits_and_checks_each_once(peaks, ratios, budget):
+    fractions = planner.STOCK_FRACTIONS
+    checked = dict(zip(fractions, peaks))
+    counted = {f: int(p * r) for f, p, r in zip(fractions, peaks, ratios)}
+    stock, lowered = _partitions(checked, counted)
+    chosen = stock.fitting(budget, counted_first=True)
+    assert len(lowered) == len(set(lowered)) and len(lowered) <= len(fractions)
+    if chosen is None:
+        assert lowered and all(checked[f] > budget for f in lowered)
+    else:
+        assert chosen.timeline.peak_bytes <= budget and chosen.solution.fraction in lowered
+        # nothing larger that was checked fits: it would have been taken
+        assert not any(f > chosen.solution.fraction and checked[f] <= budget for f in lowered)
+    if counted[1.0] > budget * (1 + planner._COUNT_OVER_CHECK):
+        assert 1.0 not in lowered or min(counted, key=lambda f: (counted[f], -f)) == 1.0
+    estimate = stock.least_peak_at_least()
+    assert estimate <= min(checked[f] for f in lowered)
