@@ -17,6 +17,7 @@ same seed skips the cases already there); --report writes benchmarks/results/bud
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import random
@@ -42,17 +43,19 @@ def _commit() -> str:
         return "unknown"
 
 
-def _done(path: pathlib.Path, seed: int, codegen: str) -> set[int]:
+def _done(path: pathlib.Path, seed: int, codegen: str, budget_range: tuple[float, float]) -> set[int]:
     if not path.exists():
         return set()
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["index"] for r in rows if r.get("seed") == seed and r.get("codegen") == codegen}
+    return {r["index"] for r in rows if r.get("seed") == seed and r.get("codegen") == codegen
+            and tuple(r["case"].get("budget_range", (0.2, 1.2))) == tuple(budget_range)}
 
 
-def run(cases: int, codegen: str, seed: int, path: pathlib.Path, deadline_s: float | None) -> None:
+def run(cases: int, codegen: str, seed: int, path: pathlib.Path, deadline_s: float | None,
+        budget_range: tuple[float, float] = (0.2, 1.2)) -> None:
     rng = random.Random(seed)
-    drawn = [step_sweep.draw_case(rng) for _ in range(cases)]
-    done = _done(path, seed, codegen)
+    drawn = [dataclasses.replace(step_sweep.draw_case(rng), budget_range=budget_range) for _ in range(cases)]
+    done = _done(path, seed, codegen, budget_range)
     began = time.perf_counter()
     commit = _commit()
     for index, case in enumerate(drawn):
@@ -84,7 +87,10 @@ def report(path: pathlib.Path) -> str:
                     for seed in sorted({r['seed'] for r in rows}))
         + ". Command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/budget_sweep.py --cases 150 --seed S` per seed, "
         "then `--report`.",
-        "Budgets log-uniform in [0.2, 1.2] x the keep-all step peak; every step measured (the first included).",
+        "Budgets log-uniform in "
+        + ", ".join(f"[{low}, {high}]" for low, high in sorted({tuple(r['case'].get('budget_range', (0.2, 1.2)))
+                                                               for r in rows}))
+        + " x the keep-all step peak (by seed: the case's `budget_range`); every step measured (the first included).",
         "",
         "| model | cases | ran within budget | infeasible (typed, floor met) | overrun (typed, rerun fits) | "
         "unplanned (typed) | rule met | crashes |",
@@ -125,10 +131,13 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=None, help="stop starting cases after this long")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "budget_sweep.jsonl")
     parser.add_argument("--report", action="store_true", help="only write the markdown table from --out")
+    parser.add_argument("--budget-range", type=float, nargs=2, default=(0.2, 1.2), metavar=("LOW", "HIGH"),
+                        help="budgets log-uniform in [LOW, HIGH] x the keep-all step peak (0.2 1.2; a seed's "
+                             "rows are resumed only under the range they were drawn in)")
     args = parser.parse_args()
     if not args.report:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        run(args.cases, args.codegen, args.seed, args.out, args.deadline_s)
+        run(args.cases, args.codegen, args.seed, args.out, args.deadline_s, tuple(args.budget_range))
     table = report(args.out)
     print(table)
     if args.report:

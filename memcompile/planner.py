@@ -915,8 +915,8 @@ class StockPartitions:
         for fraction in counted:
             if fraction <= least:
                 break
-            if fraction in self._made or self._count_at(fraction) * scale > budget * (1 + _SCALED_COUNT_SLACK):
-                continue  # (checked already, over: fractions before this one fit or it would be the answer)
+            if fraction not in self._made and self._count_at(fraction) * scale > budget * (1 + _SCALED_COUNT_SLACK):
+                continue  # (one checked already, at this budget or another, costs nothing to look at)
             made = self._made_at(fraction)
             if made is not None and made.timeline.peak_bytes <= budget:
                 return self.at(fraction)

@@ -61,8 +61,9 @@ class Case:
     checkpoint: str  # "none" | "plain" (torch.utils.checkpoint per block) | "policy" (selective)
     breaks: tuple[int, ...]  # graph breaks after these blocks
     break_in_loop: bool  # the blocks run in a loop and the breaks sit inside it
-    budget_fraction: float  # 0..1: where the budget lies between 0.2x and 1.2x the keep-all step peak
+    budget_fraction: float  # 0..1: where the budget lies, log-uniform, in budget_range
     seed: int = 0
+    budget_range: tuple[float, float] = (0.2, 1.2)  # the budget's range, in multiples of the keep-all step peak
 
     def describe(self) -> str:
         extras = [f"p={self.dropout}" if self.dropout else "", "bf16" if self.autocast else "",
@@ -277,7 +278,7 @@ def keep_all_step_peak(case: Case, codegen: str) -> int:
 
 
 def budget_for(case: Case, keep_all: int) -> int:
-    low, high = math.log(0.2 * keep_all), math.log(1.2 * keep_all)
+    low, high = (math.log(x * keep_all) for x in case.budget_range)
     return int(math.exp(low + case.budget_fraction * (high - low)))
 
 

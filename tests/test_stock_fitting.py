@@ -145,6 +145,16 @@ def test_counted_first_takes_what_fits_and_checks_each_once(peaks, ratios, budge
         # nothing larger that was checked fits: it would have been taken
         assert not any(f > chosen.solution.fraction and checked[f] <= budget for f in lowered)
     if counted[1.0] > budget * (1 + planner._COUNT_OVER_CHECK):
-        assert 1.0 not in lowered or min(counted, key=lambda f: (counted[f], -f)) == 1.0
+        # the default partition is not checked first (unless it counts least)
+        assert lowered[0] == min(counted, key=lambda f: (counted[f], -f))
     estimate = stock.least_peak_at_least()
     assert estimate <= min(checked[f] for f in lowered)
+
+
+def test_a_partition_checked_at_another_budget_is_taken_where_it_fits():
+    checked = {1.0: 2_328_965_136, 0.8: 1_910_777_872, 0.6: 1_900_000_000, 0.4: 2_304_629_268}
+    counted = {1.0: 2_455_189_516, 0.8: 2_002_397_196, 0.6: 1_990_000_000, 0.4: 2_296_740_368}
+    stock, lowered = _partitions(checked, counted)
+    stock._made_at(0.8)  # checked at some earlier budget
+    # 0.6 counts least and fits; 0.8, larger, checked already and within the budget, is taken
+    assert stock.fitting(1_950_000_000, counted_first=True).solution.fraction == 0.8
