@@ -75,6 +75,7 @@ class _Attempt:
     # False: `timeline` is a bound in graph order, not the schedule check; the compile's own
     # schedule checks it (PlanRequest.defer_check)
     checked: bool = True
+    stock_rules: bool = False  # (a PyTorch partition) checked under Inductor's own rules
 
 
 def _store_options(options: Options, device: str) -> StoreOptions:
@@ -588,7 +589,8 @@ def _search(
 
     # a partition chosen on a count above every schedule fits under Inductor's own rules too
     chosen_on_count = chosen is plain or (isinstance(chosen.solution, StockSolution) and not chosen.checked)
-    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, chosen_on_count, fuse, num_fwd_outputs, options)
+    chosen, stock_rules = _under_stock_rules_where_it_fits(chosen, chosen_on_count or chosen.stock_rules, fuse,
+                                                           num_fwd_outputs, options)
     request.solution = chosen.solution
     request.deferred = None if chosen.checked else DeferredCheck(
         num_fwd_outputs, options.allocator_rounding, options.boundary_bytes, budget,
@@ -733,6 +735,7 @@ class StockPartitions:
     _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _counts: dict = dataclasses.field(default_factory=dict, repr=False)
     _fitted: dict = dataclasses.field(default_factory=dict, repr=False)  # fitting's answer per (budget, fractions)
+    _made_as_stock: dict = dataclasses.field(default_factory=dict, repr=False)  # checked under Inductor's own rules
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
 
     def at(self, fraction: float) -> _Attempt | None:
@@ -803,22 +806,24 @@ class StockPartitions:
                            if n.op == "call_function" and n.name in self.forward_names)
         return fw, bw, recomputed_s
 
-    def _make(self, fraction: float) -> _Attempt | None:
+    def _make(self, fraction: float, as_stock: bool = False) -> _Attempt | None:
+        """The partition checked under the planned rules, or with `as_stock` under Inductor's own."""
         made = self._partition(fraction)
         if made is None:
             return None
         fw, bw, recomputed_s = made
         try:
-            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, self.rules, self.rounding,
-                                          self.boundary_bytes)
+            timeline = predicted_liveness(fw, bw, self.num_fwd_outputs, _stock_rules(self.rules) if as_stock
+                                          else self.rules, self.rounding, self.boundary_bytes)
         except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
             log.debug("memcompile: the stock partition at %s could not be checked (%s: %s)", fraction,
                      type(error).__name__, error)
             return None
-        log.debug("memcompile: stock partition at activation_memory_budget=%s: checked peak %s", fraction,
-                 format_bytes(timeline.peak_bytes))
+        log.debug("memcompile: stock partition at activation_memory_budget=%s: checked peak %s%s", fraction,
+                 format_bytes(timeline.peak_bytes), " under Inductor's own rules" if as_stock else "")
         rows = _stock_decisions(fw, fraction, self.num_fwd_outputs)
-        return _Attempt(StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows), fw, bw, timeline)
+        return _Attempt(StockSolution(fraction, recomputed_s, sum(r.held_bytes for r in rows), rows), fw, bw, timeline,
+                        stock_rules=as_stock)
 
     def within_on_graph_order(self, budget: int, fractions: tuple[float, ...] = STOCK_FRACTIONS[1:]
                               ) -> _Attempt | None:
@@ -903,10 +908,13 @@ class StockPartitions:
         if not counted:
             return None
         if default_first and counted[0] >= 1.0 and self._count_at(1.0) <= budget * (1 + _COUNT_OVER_CHECK):
-            # the default partition, the fastest, where its check may be within the budget
-            default = self._made_at(1.0)
+            # the default partition, the fastest, where its check may be within the budget: as
+            # plain Inductor compiles it, which is then the plan with no second check
+            if 1.0 not in self._made_as_stock:
+                self._made_as_stock[1.0] = self._make(1.0, as_stock=True)
+            default = self._made_as_stock[1.0]
             if default is not None and default.timeline.peak_bytes <= budget:
-                return self.at(1.0)
+                return self.added_from_default(default)
         least = min(counted, key=lambda f: (self._count_at(f), -f))
         fitting = self._made_at(least)
         if fitting is None or fitting.timeline.peak_bytes > budget:
@@ -928,6 +936,9 @@ class StockPartitions:
         checks scaled their own counts (the least such scale) and less _PARTITION_ESTIMATE_SLACK.
         0 where a partition neither checked nor counted could be lower."""
         checked = {f: a.timeline.peak_bytes for f, a in self._made.items() if a is not None}
+        for f, a in self._made_as_stock.items():  # (the default partition, under Inductor's own rules)
+            if a is not None:
+                checked[f] = min(checked.get(f, a.timeline.peak_bytes), a.timeline.peak_bytes)
         scales = [checked[f] / self._counts[f] for f in checked if self._counts.get(f)]
         if not checked or not scales:
             return 0

@@ -20,10 +20,11 @@ def _partitions(checked: dict[float, int], counted: dict[float, int]) -> tuple[p
     stock._partitions.update({f: (None, None, 0.0) for f in checked})
     stock._counts.update(counted)
 
-    def make(fraction: float):
-        lowered.append(fraction)
+    def make(fraction: float, as_stock: bool = False):
+        lowered.append(("stock", fraction) if as_stock else fraction)  # (under Inductor's own rules)
         solution = planner.StockSolution(fraction, 0.0, 0, ())
-        return planner._Attempt(solution, None, None, types.SimpleNamespace(peak_bytes=checked[fraction]))
+        return planner._Attempt(solution, None, None, types.SimpleNamespace(peak_bytes=checked[fraction]),
+                                stock_rules=as_stock)
 
     stock._make = make
     return stock, lowered
@@ -93,15 +94,16 @@ def test_counted_first_far_below_checks_only_the_least_count():
 def test_counted_first_checks_the_default_where_its_count_is_near():
     stock, lowered = _partitions(*GPT)
     chosen = stock.fitting(1_922_533_691, counted_first=True)  # 0.65x plain's peak
-    assert chosen.solution.fraction == 0.8 and lowered == [1.0, 0.8]
+    assert chosen.solution.fraction == 0.8 and lowered == [("stock", 1.0), 0.8]
     stock, lowered = _partitions(*LLAMA)  # counted 41% over its check: fits where its count does not
-    assert stock.fitting(19_000_000, counted_first=True).solution.fraction == 1.0 and lowered == [1.0]
+    chosen = stock.fitting(19_000_000, counted_first=True)
+    assert chosen.solution.fraction == 1.0 and chosen.stock_rules and lowered == [("stock", 1.0)]
 
 
 def test_each_budget_is_fitted_once():
     stock, lowered = _partitions(*GPT)
     first = stock.fitting(1_922_533_691, counted_first=True)
-    assert stock.fitting(1_922_533_691) is first and lowered == [1.0, 0.8]
+    assert stock.fitting(1_922_533_691) is first and lowered == [("stock", 1.0), 0.8]
 
 
 def test_the_least_partition_peak_is_estimated_from_what_was_checked():
@@ -137,18 +139,21 @@ def test_counted_first_takes_what_fits_and_checks_each_once(peaks, ratios, budge
     counted = {f: int(p * r) for f, p, r in zip(fractions, peaks, ratios)}
     stock, lowered = _partitions(checked, counted)
     chosen = stock.fitting(budget, counted_first=True)
-    assert len(lowered) == len(set(lowered)) and len(lowered) <= len(fractions)
+    # each check once: the default partition at most once under Inductor's rules, once under ours
+    assert len(lowered) == len(set(lowered)) and len(lowered) <= len(fractions) + 1
+    fractions_lowered = [f[1] if isinstance(f, tuple) else f for f in lowered]
     if chosen is None:
-        assert lowered and all(checked[f] > budget for f in lowered)
+        assert lowered and all(checked[f] > budget for f in fractions_lowered)
     else:
-        assert chosen.timeline.peak_bytes <= budget and chosen.solution.fraction in lowered
+        assert chosen.timeline.peak_bytes <= budget and chosen.solution.fraction in fractions_lowered
         # nothing larger that was checked fits: it would have been taken
-        assert not any(f > chosen.solution.fraction and checked[f] <= budget for f in lowered)
+        assert not any(f > chosen.solution.fraction and checked[f] <= budget for f in fractions_lowered)
     if counted[1.0] > budget * (1 + planner._COUNT_OVER_CHECK):
         # the default partition is not checked first (unless it counts least)
         assert lowered[0] == min(counted, key=lambda f: (counted[f], -f))
-    estimate = stock.least_peak_at_least()
-    assert estimate <= min(checked[f] for f in lowered)
+    else:
+        assert lowered[0] == ("stock", 1.0)  # as plain Inductor compiles it
+    assert stock.least_peak_at_least() <= min(checked[f] for f in fractions_lowered)
 
 
 def test_a_partition_checked_at_another_budget_is_taken_where_it_fits():
