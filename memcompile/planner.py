@@ -512,6 +512,12 @@ def _search(
                 # check was one lowering per graph of the ladder for nothing.
                 logs.stage(f"{graph_id}: checking PyTorch's partitions")
                 fitted = stock.fitting(budget, counted_first=True)
+                default = stock.checked_as_plain_inductor()
+                if default is not None:
+                    # checked as plain Inductor compiles it: the plan where it fits, and where
+                    # it is over, the liveness before planning (not its count)
+                    plain = dataclasses.replace(plain, timeline=default.timeline, checked=True)
+                    made_plain[:] = [plain]
                 if fitted is not None and fitted.solution.added_time_s <= STOCK_SOLVE_ABOVE * stock.step_time_s():
                     partition_checked = fitted
             elif partition_on_count is None:
@@ -929,6 +935,11 @@ class StockPartitions:
             if made is not None and made.timeline.peak_bytes <= budget:
                 return self.at(fraction)
         return self.at(least)
+
+    def checked_as_plain_inductor(self) -> _Attempt | None:
+        """The default partition, where it was checked under Inductor's own rules (fitting's
+        counted_first); else None."""
+        return self._made_as_stock.get(1.0)
 
     def least_peak_at_least(self) -> int:
         """A peak below which none of these partitions is expected (0: none checked yet): the

@@ -210,3 +210,43 @@ def test_a_solver_plan_is_checked_before_its_compile_where_the_scaled_count_is_o
     assert backend.deferred_checks_failed == 0
     plan = backend.plans[-1]
     assert measured.peak_bytes <= plan.predicted_peak_bytes <= 88_290
+
+
+@pytest.mark.inductor
+def test_the_default_partition_over_on_its_count_is_checked_once_as_plain_inductor_compiles_it(monkeypatch):
+    """Where the default partition's graph-order count is over the budget and no partition is
+    within it on its count, the partitions are checked from the default one (its count near the
+    budget), as plain Inductor compiles it: where that fits, it is the plan, after that one
+    lowering and none under other rules; its check, not its count, is the plan's "before"."""
+    model, x = build("attention", 32, 2, 16, seed=3)
+    step = WithLoss(model)
+    backend = memcompile.Backend(memcompile.make_options(10**9))
+    backend.plan_only = True
+    with pytest.raises(memcompile.errors.PlannedOnly) as planned:
+        torch.compile(step, backend=backend)(x).backward()
+    torch._dynamo.reset()
+    budget = planned.value.plan.predicted_peak_bytes  # the default partition's check: it just fits
+    counts = []
+    real_plain = planner._plain_inductor_partition
+    monkeypatch.setattr(planner, "_plain_inductor_partition",
+                        lambda *a, **k: counts.append(real_plain(*a, **k)) or counts[-1])
+    monkeypatch.setattr(planner.StockPartitions, "within_on_graph_order", lambda self, *a, **k: None)
+    lowered = []
+    real_schedule = tp.inductor_schedule
+    monkeypatch.setattr(tp, "inductor_schedule", lambda *a, **k: lowered.append(a) or real_schedule(*a, **k))
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    backend = memcompile.budget(budget, plan_store=False)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = torch.compile(step, backend=backend)
+        compiled(x).backward()
+        assert len(lowered) == 2  # one lowering (forward and backward) before the compile's own
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        measured = memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x])
+    (count,) = counts
+    assert not count.checked and count.timeline.peak_bytes > budget  # over on its count
+    plan = backend.plans[-1]
+    assert plan.solver_status == planner.StockSolution(1.0, 0.0, 0, ()).status and plan.stock_inductor_rules
+    assert plan.predicted_peak_before_bytes == plan.predicted_peak_bytes == budget
+    assert measured.peak_bytes <= budget
