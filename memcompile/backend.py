@@ -736,6 +736,9 @@ class _Region:
         plan = variant.plan
         if plan is None:
             return variant, outside
+        kept = backend.kept_at(position, self)
+        if kept is not None and kept[0] is variant and not held_grads and not backend.cautious_now():
+            return variant, outside  # it ran here in a step measured within the budget
         cautious_now = backend.cautious_now() and not variant.cautious
         if plan.predicted_peak_bytes + held <= backend.options.step_budget_bytes and not cautious_now:
             return variant, outside
@@ -831,6 +834,9 @@ class _Region:
                     fingerprint = self.replanner.fingerprint if self.replanner is not None else None
                     variant = self._recompile(key, outside, PlanRequest(decisions=decisions, fingerprint=fingerprint))
                 return variant, outside
+            kept = self.backend.kept_at(position, self)
+            if kept is not None:
+                return kept
             cautious_after_first = self._current is not None and self._current[0].cautious \
                 and not self.backend.in_first_step()
             if self._current is not None and not cautious_after_first:
@@ -874,6 +880,7 @@ class _Region:
             backend.stop_measuring()
             raise
         self._current = (variant, outside)
+        backend.ran_at(position, self, variant, outside)
         footprint = variant.footprint(held_by_caller)
         if footprint is not None and held_grads:
             footprint = dataclasses.replace(footprint, held_grads_bytes=held_grads)
@@ -927,6 +934,10 @@ def _random_state_kept(example_inputs: Sequence[Any]):
 # Steps measured at most (memcompile/step_meter.py): the first, and those planned for a larger
 # figure of memory outside the regions than the step before.
 _MEASURED_STEPS_MAX = 3
+# A measured step's plans run on where no step plan fits on predictions only if its peak, this
+# much larger, fits beside the reserve: the same plans peaked 2% higher in the next step of a
+# two-region conv step (the Inductor budget sweep, seed 4, case 25).
+_MEASURED_ROOM = 0.05
 # Steps in a row that ended unread (forward calls alone under grad mode, a compile mid-step)
 # after which measuring stops: on the CPU each try runs the step under a profiler.
 _UNREAD_STEPS_MAX = 8
@@ -1029,6 +1040,12 @@ class Backend:
         self.step_plans = 0  # times a plan for the whole step was chosen (settle)
         self.compiled_ahead = 0  # regions compiled since the last call (DDPOptimizer compiles all at once)
         self._settled: tuple | None = None  # the step shape the current step plan was chosen for
+        # per position of the step running: (region, variant, outside) it ran (ran_at)
+        self._step_calls: dict[int, tuple[Any, Any, int]] = {}
+        # the last measured step's calls, where it fitted the budget with the reserve beside it
+        self._measured_within: dict[int, tuple[Any, Any, int]] | None = None
+        # those calls, kept for the settled step shape where no step plan fits on predictions
+        self._kept: dict[int, tuple[Any, Any, int]] | None = None
         self._steps_ended = False
         self._graph_count = itertools.count()
         self._warned_over = 0
@@ -1062,6 +1079,20 @@ class Backend:
         """No step has ended yet: regions called later in the step are still unknown."""
         return not self._steps_ended and self.ledger.completed_step() is None
 
+    def ran_at(self, position: int, region: Any, variant: Any, outside: int) -> None:
+        """The call at `position` of the step running runs `variant` (a new step starts at 0)."""
+        if position == 0:
+            self._step_calls = {}
+        self._step_calls[position] = (region, variant, outside)
+
+    def kept_at(self, position: int, region: Any) -> tuple[Any, int] | None:
+        """(variant, outside) this region ran at `position` in the last measured step, where its
+        plans are kept (settle: no step plan fits on predictions, the measured step did); else None."""
+        kept = self._kept.get(position) if self._kept is not None else None
+        if kept is None or kept[0] is not region:
+            return None
+        return kept[1], kept[2]
+
     def settle(self) -> None:
         """At the start of a step: if the previous step's shape (which region ran at each position,
         and what each call held regardless of plan) differs from the one the current step plan
@@ -1088,6 +1119,23 @@ class Backend:
         budget = StepBudget(self.options.step_budget_bytes, self.options.reserve_bytes, self.compile_scratch,
                             self.ledger.eager_bytes())
         plan = choose_step_plan(positions, [[option for option, _ in menu] for menu in menus], budget)
+        measured = self._measured_within
+        self._kept = None
+        if isinstance(plan, NoStepPlan) and measured is not None and len(measured) == len(completed) \
+                and all(measured[p][0] is region for p, (region, _) in enumerate(completed)):
+            # The plans' predictions, composed with what the step was measured to hold outside
+            # them, leave no room; the step these plans ran was measured within the budget with
+            # the reserve beside it, and runs again as it was (a conv stack of four regions:
+            # predicted 200.09 KiB at the least, measured 118.59 KiB, of a 199.99 KiB budget).
+            log.info("memcompile: no step plan fits the budget on the plans' predictions (%s at the least); the "
+                     "plans of the last step, measured within it, are kept",
+                     format_bytes(plan.min_feasible_bytes))
+            for region in regions:
+                region.assigned = None
+            self._kept = measured
+            self._settled = shape
+            self._measure_next = len(self.measured_steps) < _MEASURED_STEPS_MAX  # and measured again
+            return
         if isinstance(plan, NoStepPlan):
             error = no_step_plan_error(plan, positions, self.options)
             self.errors.append(error)
@@ -1159,6 +1207,10 @@ class Backend:
         that ran over the budget raises StepOverrunError (on_first_step_overrun="warn": warns)."""
         self.measured_steps.append(measured)
         self._unread_steps = 0
+        # (the reserve beside it: what the step holds later that this one may not have, an
+        # optimizer's states made at its first step)
+        fits = measured.peak_bytes * (1 + _MEASURED_ROOM) + self.options.reserve_bytes <= self.options.budget_bytes
+        self._measured_within = dict(self._step_calls) if fits and self._step_calls else None
         step = self.ledger.steps_completed() + 1
         grew = measured.outside_bytes > self.ledger.eager_bytes()
         if grew:
