@@ -942,47 +942,60 @@ class StockPartitions:
         return self._made_as_stock.get(1.0)
 
     def least_peak_at_least(self) -> int:
-        """A peak below which none of these partitions is expected (0: none checked yet): the
-        least of the checked peaks and of the other partitions' graph-order counts, scaled as the
-        checks scaled their own counts (the least such scale) and less _PARTITION_ESTIMATE_SLACK.
-        0 where a partition neither checked nor counted could be lower."""
-        checked = {f: a.timeline.peak_bytes for f, a in self._made.items() if a is not None}
-        for f, a in self._made_as_stock.items():  # (the default partition, under Inductor's own rules)
-            if a is not None:
-                checked[f] = min(checked.get(f, a.timeline.peak_bytes), a.timeline.peak_bytes)
-        scales = [checked[f] / self._counts[f] for f in checked if self._counts.get(f)]
-        if not checked or not scales:
-            return 0
-        least = min(checked.values())
+        """A peak below which none of these partitions is expected (0: not known): the least of
+        the checked peaks and of the others' estimates (_estimated_at_least); 0 where none was
+        checked, or a partition neither checked nor counted could be lower."""
+        checked = self._checked_peaks()
+        least = min(checked.values(), default=0)
         for fraction in STOCK_FRACTIONS:
             if fraction in checked or self._partitions.get(fraction, 0) is None:
                 continue  # checked, or not a candidate here
-            if self._counts.get(fraction) is None:
+            estimate = self._estimated_at_least(fraction, checked, make=False)
+            if estimate is None:
                 return 0
-            least = min(least, int(self._counts[fraction] * min(scales) / (1 + _PARTITION_ESTIMATE_SLACK)))
+            least = min(least, estimate)
         return least
 
     def least_peak_partition(self, below: int) -> _Attempt | None:
         """The partition with the least checked peak, checking first those not checked yet whose
-        estimate (least_peak_at_least's) is below `below` and every checked one; the smallest fraction's where none was
-        checked before (None where it cannot be made). A candidate for a graph's least peak: on
-        the GPT style file (12 layers, loss head chunked) PyTorch's 0.4 partition peaked 150 MB
-        below the solver's least-peak plan."""
-        checked = [f for f, a in self._made.items() if a is not None]
-        scales = [self._made[f].timeline.peak_bytes / self._counts[f] for f in checked if self._counts.get(f)]
-        below = min([below] + [self._made[f].timeline.peak_bytes for f in checked])
-        if not scales:
+        estimate (_estimated_at_least) is below `below` and every checked peak; the smallest
+        fraction's where none was checked before (None where it cannot be made). A candidate for
+        a graph's least peak: on the GPT style file (12 layers, loss head chunked) PyTorch's 0.4
+        partition peaked 150 MB below the solver's least-peak plan."""
+        checked = self._checked_peaks()
+        below = min([below, *checked.values()])
+        if not checked:
             self._made_at(STOCK_FRACTIONS[-1])
-        for fraction in STOCK_FRACTIONS if scales else ():
+        for fraction in STOCK_FRACTIONS if checked else ():
             if fraction in self._made or self._partitions.get(fraction, 0) is None:
                 continue
-            count = self._count_at(fraction)
-            if count is not None and count * min(scales) / (1 + _PARTITION_ESTIMATE_SLACK) < below:
+            estimate = self._estimated_at_least(fraction, checked, make=True)
+            if estimate is not None and estimate < below:
                 self._made_at(fraction)
         made = [f for f, a in self._made.items() if a is not None]
         if not made:
             return None
         return self.at(min(made, key=lambda f: (self._made[f].timeline.peak_bytes, -f)))
+
+    def _checked_peaks(self) -> dict[float, int]:
+        """Each checked partition's peak (the default partition's: the lower of its checks under
+        the planned rules and Inductor's own)."""
+        checked = {f: a.timeline.peak_bytes for f, a in self._made.items() if a is not None}
+        for f, a in self._made_as_stock.items():
+            if a is not None:
+                checked[f] = min(checked.get(f, a.timeline.peak_bytes), a.timeline.peak_bytes)
+        return checked
+
+    def _estimated_at_least(self, fraction: float, checked: dict[float, int], make: bool) -> int | None:
+        """The least `fraction`'s partition is expected to check at: its graph-order count scaled
+        as the `checked` ones scaled their own (the least such scale), less
+        _PARTITION_ESTIMATE_SLACK; None where no checked one or this one is counted (with `make`,
+        this one is made and counted first)."""
+        scales = [peak / self._counts[f] for f, peak in checked.items() if self._counts.get(f)]
+        count = self._count_at(fraction) if make else self._counts.get(fraction)
+        if not scales or count is None:
+            return None
+        return int(count * min(scales) / (1 + _PARTITION_ESTIMATE_SLACK))
 
     def _count_at(self, fraction: float) -> int | None:
         """The partition's peak counted in graph order (every value a buffer but a scatter's copy
