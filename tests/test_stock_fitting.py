@@ -64,13 +64,18 @@ def test_a_larger_fraction_is_not_checked_where_its_scaled_count_is_well_over():
     assert lowered == [0.4, 0.6, 0.8]
 
 
+# Per fraction a checked peak and a graph-order count (the check times 0.5-1.8), and a budget.
+_CHECKS_COUNTS = st.tuples(st.lists(st.integers(50, 400), min_size=4, max_size=4),
+                           st.lists(st.floats(0.5, 1.8), min_size=4, max_size=4)).map(
+    lambda drawn: (dict(zip(planner.STOCK_FRACTIONS, drawn[0])),
+                   {f: int(p * r) for f, p, r in zip(planner.STOCK_FRACTIONS, *drawn)}))
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(50, 400), min_size=4, max_size=4), st.lists(st.floats(0.5, 1.8), min_size=4, max_size=4),
-       st.integers(40, 420))
-def test_what_it_takes_fits_and_each_partition_is_checked_once(peaks, ratios, budget):
+@given(_CHECKS_COUNTS, st.integers(40, 420))
+def test_what_it_takes_fits_and_each_partition_is_checked_once(checks_counts, budget):
     fractions = planner.STOCK_FRACTIONS
-    checked = dict(zip(fractions, peaks))
-    counted = {f: int(p * r) for f, p, r in zip(fractions, peaks, ratios)}
+    checked, counted = checks_counts
     stock, lowered = _partitions(checked, counted)
     chosen = stock.fitting(budget)
     assert lowered[0] == fractions[-1] and len(lowered) == len(set(lowered))
@@ -131,12 +136,10 @@ def test_the_least_peak_partition_checks_only_those_that_may_be_lower():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(50, 400), min_size=4, max_size=4), st.lists(st.floats(0.5, 1.8), min_size=4, max_size=4),
-       st.integers(40, 420))
-def test_counted_first_takes_what_fits_and_checks_each_once(peaks, ratios, budget):
+@given(_CHECKS_COUNTS, st.integers(40, 420))
+def test_counted_first_takes_what_fits_and_checks_each_once(checks_counts, budget):
     fractions = planner.STOCK_FRACTIONS
-    checked = dict(zip(fractions, peaks))
-    counted = {f: int(p * r) for f, p, r in zip(fractions, peaks, ratios)}
+    checked, counted = checks_counts
     stock, lowered = _partitions(checked, counted)
     chosen = stock.fitting(budget, counted_first=True)
     # each check once: the default partition at most once under Inductor's rules, once under ours
