@@ -501,7 +501,7 @@ def _search(
                 and plain.timeline.held_by_every_plan() <= budget):
             # Over the budget on its count: another of PyTorch's partitions within the budget on
             # its own count, at a cost within noise of the step, is taken without lowering either;
-            # only where there is none is the default partition checked (a lowering).
+            # only where there is none are the partitions checked (a lowering each).
             logs.stage(f"{graph_id}: counting PyTorch's partitions")
             stock = stock_now()
             partition_on_count = stock.within_on_graph_order(budget) if stock is not None else None
@@ -520,11 +520,6 @@ def _search(
                     made_plain[:] = [plain]
                 if fitted is not None and fitted.solution.added_time_s <= STOCK_SOLVE_ABOVE * stock.step_time_s():
                     partition_checked = fitted
-            elif partition_on_count is None:
-                logs.stage(f"{graph_id}: checking plain Inductor's partition")
-                plain = _checked_default_partition(plain, num_fwd_outputs, options.allocator_rounding,
-                                                   options.boundary_bytes, _checks_schedule(options))
-                made_plain[:] = [plain] if plain is not None else []
         if plain is not None and plain.timeline.peak_bytes > budget:
             beyond_plans = plain.timeline.held_by_every_plan()
             plain, plain_over = None, True
@@ -1236,19 +1231,6 @@ def _within_on_graph_order(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outpu
     if every_value.peak_bytes <= budget:
         return True, every_value
     return False, in_place
-
-
-def _checked_default_partition(unchecked: _Attempt, num_fwd_outputs: int, rounding: AllocatorRounding,
-                               boundary_bytes: int, rules: tp.InductorRules | None) -> _Attempt | None:
-    """PyTorch's default partition, made and counted unchecked, checked as plain Inductor compiles
-    it; None if it cannot be."""
-    try:
-        timeline = predicted_liveness(unchecked.forward, unchecked.backward, num_fwd_outputs, _stock_rules(rules),
-                                      rounding, boundary_bytes)
-    except UNREADABLE_GRAPH_ERRORS as error:  # a candidate only: plan as before
-        log.debug("memcompile: plain Inductor's partition could not be checked (%s: %s)", type(error).__name__, error)
-        return None
-    return dataclasses.replace(unchecked, timeline=timeline, checked=True)
 
 
 def _plain_inductor_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
