@@ -13,7 +13,9 @@ from memcompile.solver.activations import (
     close_decisions,
     evaluate,
     greedy_plan,
+    MIN_PEAK_BOUND_SLACK,
     is_consistent,
+    peak_lower_bound,
     solve_activation_plan,
     solve_min_peak,
 )
@@ -117,7 +119,17 @@ def test_min_peak_is_the_least_peak(problem):
     least = min(evaluate(problem, *p)[0] for p in _all_consistent_plans(problem))
     result = solve_min_peak(problem, time_limit_s=5)
     assert is_consistent(problem, result.keep, result.recompute)
-    assert result.model_peak_bytes == least
+    assert result.model_peak_bytes == evaluate(problem, *result.decisions)[0]
+    # exact, or a heuristic plan within the slack of the bound (not searched further)
+    assert least <= result.model_peak_bytes <= max(least, peak_lower_bound(problem) * (1 + MIN_PEAK_BOUND_SLACK))
+
+
+@FAST
+@given(problems())
+def test_peak_lower_bound_is_below_every_plan(problem):
+    bound = peak_lower_bound(problem)
+    assert bound >= max(problem.fixed_bytes)
+    assert all(evaluate(problem, *plan)[0] >= bound for plan in _all_consistent_plans(problem))
 
 
 @FAST
@@ -154,12 +166,12 @@ def test_recomputations_before_a_node_do_not_see_its_own_output():
         fixed_bytes=(0, 0, 0, 0, 80, 0), fixed_before_node_bytes=(0, 0, 0, 0, 0, 0),
     )
     assert evaluate(problem, frozenset(), frozenset({0, 1}))[0] == 200
-    counted_with_the_node = ActivationProblem(**{**problem.__dict__, "fixed_before_node_bytes": ()})
+    counted_with_the_node = dataclasses.replace(problem, fixed_before_node_bytes=())
     assert evaluate(counted_with_the_node, frozenset(), frozenset({0, 1}))[0] == 280
     result = solve_activation_plan(problem, 210, time_limit_s=5)
     assert result.recompute == frozenset({0, 1}) and result.model_peak_bytes == 200
     with pytest.raises(ValueError, match="fixed_before_node_bytes"):
-        ActivationProblem(**{**problem.__dict__, "fixed_before_node_bytes": (0, 0, 0, 0, 90, 0)})
+        dataclasses.replace(problem, fixed_before_node_bytes=(0, 0, 0, 0, 90, 0))
 
 
 def test_results_of_one_op_are_recomputed_together():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -94,8 +96,8 @@ def test_problem_text_ignores_node_names_only():
         names=("a", "b"), nbytes=(8, 16), recompute_cost_s=(1e-6, 2e-6), can_keep=(True, True),
         can_recompute=(True, True), first_read=(3, 4), last_read=(4, 5), keep_from=(2, 2),
         recompute_from=(3, 3), recompute_reads=((), (0,)), view_of=(-1, -1), fixed_bytes=(10, 10, 10, 10, 10, 10))
-    renamed = ActivationProblem(**{**problem.__dict__, "names": ("x", "y")})
-    bigger = ActivationProblem(**{**problem.__dict__, "nbytes": (8, 32)})
+    renamed = dataclasses.replace(problem, names=("x", "y"))
+    bigger = dataclasses.replace(problem, nbytes=(8, 32))
     assert plan_cache.problem_text(problem) == plan_cache.problem_text(renamed)
     assert plan_cache.problem_text(problem) != plan_cache.problem_text(bigger)
 

@@ -20,12 +20,13 @@ from memcompile import planner, transfer_ops
 from memcompile.passes.stored_forms import stored_nbytes
 from budget_helpers import budget_range, run_step
 from models import WithLoss, build
-from test_activation_solver import brute_force
+from test_activation_solver import _all_consistent_plans, brute_force
 from memcompile.solver.activations import (
     ActivationProblem,
     StoreChoice,
     evaluate,
     is_consistent,
+    peak_lower_bound,
     solve_activation_plan,
 )
 
@@ -70,8 +71,8 @@ def test_quantized_form_must_fit_the_budget_itself():
 def test_offload_transfers_beyond_the_phase_compute_are_paid():
     choice = StoreChoice("offload", "host", 0, 1e-6, link_s=5e-3)
     problem = _one_tensor(2e-3, (choice,))
-    hidden = ActivationProblem(**{**problem.__dict__, "forward_compute_s": 1.0, "backward_compute_s": 1.0})
-    exposed = ActivationProblem(**{**problem.__dict__, "forward_compute_s": 0.0, "backward_compute_s": 0.0})
+    hidden = dataclasses.replace(problem, forward_compute_s=1.0, backward_compute_s=1.0)
+    exposed = dataclasses.replace(problem, forward_compute_s=0.0, backward_compute_s=0.0)
     budget = evaluate(problem, frozenset({0}), frozenset())[0] - 1
     # Hidden behind compute, offload (1 us) beats recompute (2 ms); exposed (2 x 5 ms), it does not.
     assert solve_activation_plan(hidden, budget, time_limit_s=5).stored == {(0, 0)}
@@ -144,6 +145,14 @@ def test_solver_with_store_choices_matches_brute_force(problem, fraction):
     if result.status == "optimal":
         # The objective's +1 tie-break per non-keep choice and 10 ns units allow a tiny excess.
         assert added <= min(feasible) + 1e-8 * (len(problem.names) + 1) * 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(problems_with_choices())
+def test_peak_lower_bound_holds_with_store_choices(problem):
+    # quantized, offloaded and reloaded copies are buffers where the backward reads them too
+    bound = peak_lower_bound(problem)
+    assert all(evaluate(problem, *plan)[0] >= bound for plan in _all_consistent_plans(problem))
 
 
 def test_a_must_be_exact_value_is_never_recomputed_from_a_lossy_copy():
