@@ -962,15 +962,19 @@ class StockPartitions:
         if not checked:
             self._made_at(STOCK_FRACTIONS[-1])
         for fraction in STOCK_FRACTIONS if checked else ():
-            if fraction in self._made or self._partitions.get(fraction, 0) is None:
-                continue
+            if (fraction in self._made or self._made_as_stock.get(fraction) is not None
+                    or self._partitions.get(fraction, 0) is None):
+                continue  # (checked as plain Inductor compiles it: a candidate as it is, not lowered again)
             estimate = self._estimated_at_least(fraction, checked, make=True)
             if estimate is not None and estimate < below:
                 self._made_at(fraction)
-        made = [f for f, a in self._made.items() if a is not None]
+        made = {f: a for f, a in self._made.items() if a is not None}
+        for f, a in self._made_as_stock.items():
+            if a is not None and (f not in made or a.timeline.peak_bytes < made[f].timeline.peak_bytes):
+                made[f] = a  # compiled under Inductor's own rules where chosen (_Attempt.stock_rules)
         if not made:
             return None
-        return self.at(min(made, key=lambda f: (self._made[f].timeline.peak_bytes, -f)))
+        return self.added_from_default(made[min(made, key=lambda f: (made[f].timeline.peak_bytes, -f))])
 
     def _checked_peaks(self) -> dict[float, int]:
         """Each checked partition's peak (the default partition's: the lower of its checks under

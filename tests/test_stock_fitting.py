@@ -135,6 +135,22 @@ def test_the_least_peak_partition_checks_only_those_that_may_be_lower():
     assert lowered == expected and least.solution.fraction == 0.8
 
 
+def test_the_default_partition_checked_as_plain_inductor_is_not_lowered_again_for_the_least_peak():
+    # the default partition's count within 45% of the budget: checked under Inductor's own rules
+    checked = {1.0: 120, 0.8: 150, 0.6: 170, 0.4: 180}
+    counted = {1.0: 130, 0.8: 140, 0.6: 300, 0.4: 320}
+    stock, lowered = _partitions(checked, counted)
+    assert stock.fitting(100, counted_first=True) is None
+    assert lowered == [("stock", 1.0), 1.0]  # then the least count, which is 1.0's too, under our rules
+    stock, lowered = _partitions(checked, {1.0: 130, 0.8: 125, 0.6: 300, 0.4: 320})
+    assert stock.fitting(100, counted_first=True) is None and lowered == [("stock", 1.0), 0.8]
+    least = stock.least_peak_partition(below=10**6)
+    # 1.0's count, scaled as its own check scaled it and 20% under, is below every check (100 < 120):
+    # it would be lowered again under our rules; 0.6 and 0.4 (231 and 246) are not below 120
+    assert lowered == [("stock", 1.0), 0.8]
+    assert least.solution.fraction == 1.0 and least.stock_rules and least.timeline.peak_bytes == 120
+
+
 @settings(max_examples=200, deadline=None)
 @given(_CHECKS_COUNTS, st.integers(40, 420))
 def test_counted_first_takes_what_fits_and_checks_each_once(checks_counts, budget):
