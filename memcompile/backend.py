@@ -278,8 +278,7 @@ class _Region:
         # where it is the step's one region. Buffers of the frame no region takes (HF Llama's
         # rotary table kept for a reset, `original_inv_freq`) are held beside it all the same,
         # but say nothing of regions to follow, as parameters no region has taken yet may.
-        frozen_unseen = (backend.ledger.unseen_leaf_bytes(self.own_leaf_ids)
-                         - backend.ledger.unseen_leaf_bytes(self.own_leaf_ids, trainable_only=True))
+        frozen_unseen = backend.ledger.unseen_leaf_bytes(self.own_leaf_ids, frozen_only=True)
         defer = not cautious and outside - frozen_unseen <= 0 and bool(self._pending_rewrites())
         # An earlier launch's ladder for this graph goes straight to the rewrites it ended with.
         ladder_key = self._ladder_key(outside) if defer else None

@@ -173,18 +173,18 @@ class StepLedger:
             if self._completed is None:
                 self._frame_leaves.update(leaves)
 
-    def unseen_leaf_bytes(self, also_seen: frozenset[int] = frozenset(), trainable_only: bool = False) -> int:
+    def unseen_leaf_bytes(self, also_seen: frozenset[int] = frozenset(), frozen_only: bool = False) -> int:
         """Before a step has completed: the noted frame parameters no call of this step has
-        taken yet (nor `also_seen`), with their gradients; with `trainable_only`, only those
-        with a gradient. 0 once a step has completed."""
+        taken yet (nor `also_seen`), with their gradients; with `frozen_only`, only those
+        without a gradient. 0 once a step has completed."""
         with self._lock:
-            return self._unseen(also_seen, trainable_only)
+            return self._unseen(also_seen, frozen_only)
 
-    def _unseen(self, also_seen: frozenset[int] = frozenset(), trainable_only: bool = False) -> int:
+    def _unseen(self, also_seen: frozenset[int] = frozenset(), frozen_only: bool = False) -> int:
         if self._completed is not None:
             return 0
         return sum(nbytes * (2 if has_grad else 1) for i, (nbytes, has_grad) in self._frame_leaves.items()
-                   if i not in self._seen and i not in also_seen and (has_grad or not trainable_only))
+                   if i not in self._seen and i not in also_seen and not (frozen_only and has_grad))
 
     def backward_ran(self) -> None:
         with self._lock:

@@ -817,11 +817,11 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     enough for it, CP-SAT's search from that plan."""
     began = time.perf_counter()
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    options = [frugal, greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
-    start = min(options, key=lambda d: evaluate(problem, *d))
-    searched = None
-    if (evaluate(problem, *start)[0] > peak_lower_bound(problem) * (1 + MIN_PEAK_BOUND_SLACK)
-            and len(problem.names) <= MIN_PEAK_SEARCH_MAX_CANDIDATES):
+    heuristic = [frugal, greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
+    start = min(heuristic, key=lambda d: evaluate(problem, *d))
+    best, (peak, added) = start, evaluate(problem, *start)
+    found_by: str = StatusKind.FALLBACK  # (the status speaks of the peak, not of time)
+    if peak > peak_lower_bound(problem) * (1 + MIN_PEAK_BOUND_SLACK) and len(problem.names) <= MIN_PEAK_SEARCH_MAX_CANDIDATES:
         built = _build_model(problem, None)
         _add_hint(problem, built, start)
         # One worker and a deterministic-time limit: the smallest budget we report must be the
@@ -832,10 +832,10 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
         searched = run_model(built.model, time_limit_s=MIN_PEAK_WALL_FACTOR * time_limit_s, workers=1, seed=seed,
                              extra_params={"max_deterministic_time": time_limit_s,
                                            "cp_model_probing_level": 0, "symmetry_level": 0})
-        options += [_decisions_from(searched, built)] if searched.has_solution else []
-    best = min(options, key=lambda d: evaluate(problem, *d))
-    peak, added = evaluate(problem, *best)
-    # The status speaks of the peak, not of time: this plan minimises memory, then stops.
-    status = status_text(StatusKind.LEAST_PEAK, searched.status if searched is not None and searched.has_solution
-                         and best is options[-1] else StatusKind.FALLBACK)
+        if searched.has_solution:
+            found = _decisions_from(searched, built)
+            scored = evaluate(problem, *found)
+            if scored < (peak, added):
+                best, (peak, added), found_by = found, scored, searched.status
+    status = status_text(StatusKind.LEAST_PEAK, found_by)
     return ActivationSolution(*best, peak, added, status, 0.0, time.perf_counter() - began)
