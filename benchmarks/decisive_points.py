@@ -21,6 +21,12 @@ Variants: `amb:F` (Inductor, activation_memory_budget=F), `ckpt` (Inductor, per-
 torch.utils.checkpoint), `mc:BYTES` (memcompile.budget(BYTES), lossless), `mc8:BYTES` (int8).
 Writes benchmarks/results/decisive{tag}.jsonl (one record per child), decisive{tag}.md and
 decisive{tag}_summary.json; the tag is _<model>_<size> unless --tag says otherwise.
+
+At --size real a child compiles five graphs of 100M+ parameters and runs for minutes: run the
+children in pieces, each appended to the .jsonl as it finishes (exit 3 while children are left):
+
+    python benchmarks/decisive_points.py --model llama --size real --threads 2 --steps 3 \
+        --time-limit 30 --variants amb:0.8,mc:1113464070 --resume --max-new 1
 """
 
 from __future__ import annotations
@@ -146,6 +152,12 @@ def interval(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def same_spec(rec: dict, spec: dict) -> bool:
+    """Whether a child's record was measured under `spec` (its variants are a dict of results)."""
+    return (all(rec.get(k) == v for k, v in spec.items() if k != "variants")
+            and list(rec.get("variants", {})) == spec["variants"])
+
+
 def default_tag(args: argparse.Namespace) -> str:
     """The result files' suffix unless --tag says otherwise: decisive_llama_small.*"""
     return f"_{args.model}_{args.size}"
@@ -190,7 +202,7 @@ def report(recs: list[dict], args: argparse.Namespace) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama")
-    ap.add_argument("--size", default="small", choices=("tiny", "small", "medium"))
+    ap.add_argument("--size", default="small", choices=("tiny", "small", "medium", "real"))
     ap.add_argument("--variants", default="amb:0.8,amb:0.6,mc:10082053,mc:10389253")
     ap.add_argument("--children", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20, help="timing rounds per child")
@@ -198,6 +210,11 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=5.0, help="memcompile solver time_limit_s")
     ap.add_argument("--tag", default=None, help="suffix of the result files (default: _<model>_<size>)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the .md from the .jsonl")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the .jsonl's children of the same spec and run only the missing ones")
+    ap.add_argument("--max-new", type=int, default=None,
+                    help="run at most this many children now; exit 3 while children are left")
+    ap.add_argument("--child-timeout", type=float, default=None, help="seconds before a child is stopped")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tag is None:
@@ -207,26 +224,41 @@ def main() -> int:
         return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     jsonl = RESULTS / f"decisive{args.tag}.jsonl"
+    spec = {"model": args.model, "size": args.size, "threads": args.threads, "steps": args.steps,
+            "time_limit": args.time_limit, "variants": args.variants.split(",")}
+    kept = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     if args.report_only:
-        recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        recs = kept
     else:
-        recs = []
-        spec = {"model": args.model, "size": args.size, "threads": args.threads, "steps": args.steps,
-                "time_limit": args.time_limit, "variants": args.variants.split(",")}
+        recs = [r for r in kept if args.resume and r.get("status") == "ok" and same_spec(r, spec)]
+        todo = [i for i in range(args.children) if i not in {r["child"] for r in recs}]
+        left = len(todo) - (args.max_new if args.max_new is not None else len(todo))
         with jsonl.open("w") as sink:
-            for i in range(args.children):
+            for rec in recs:
+                sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+            for i in todo[:args.max_new]:
                 t0 = time.perf_counter()
-                out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**spec, "child": i})],
-                                     capture_output=True, text=True)
-                line = next((ln for ln in out.stdout.splitlines() if ln.startswith(MARK)), None)
-                rec = (json.loads(line[len(MARK):]) if line else
-                       {**spec, "child": i, "status": "crashed", "error": out.stderr[-3000:]})
+                try:
+                    out = subprocess.run([sys.executable, __file__, "--child", json.dumps({**spec, "child": i})],
+                                         capture_output=True, text=True, timeout=args.child_timeout)
+                    line = next((ln for ln in out.stdout.splitlines() if ln.startswith(MARK)), None)
+                    rec = (json.loads(line[len(MARK):]) if line else
+                           {**spec, "child": i, "status": "crashed", "error": out.stderr[-3000:]})
+                except subprocess.TimeoutExpired:
+                    rec = {**spec, "child": i, "status": "timeout", "error": f"over {args.child_timeout} s"}
+                rec["wall_s"] = round(time.perf_counter() - t0, 1)
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
                 recs.append(rec)
                 ratios = {k: round(v.get("step_ratio", float("nan")), 3) for k, v in rec.get("variants", {}).items()}
-                print(f"child {i}: {rec['status']} in {time.perf_counter() - t0:.0f}s, ratios {ratios}, "
+                print(f"child {i}: {rec['status']} in {rec['wall_s']:.0f}s, ratios {ratios}, "
                       f"noise {rec.get('noise_ratio', float('nan')):.3f}", flush=True)
+        if left > 0:
+            md = report(recs, args)
+            (RESULTS / f"decisive{args.tag}.md").write_text(md)
+            print(f"{left} child(ren) left: run again with --resume", flush=True)
+            return 3
     md = report(recs, args)
     (RESULTS / f"decisive{args.tag}.md").write_text(md)
     print(md)

@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MARK = "MAX_BATCH_JSON:"
+METHODS = ("inductor", "memcompile", "inductor_amb", "memcompile_int8")
 
 
 def plans_child(spec: dict) -> dict:
@@ -244,6 +245,7 @@ def parent(args: argparse.Namespace) -> int:
     methods = [("inductor", {}, "plain Inductor"), ("memcompile", {}, "memcompile lossless")]
     methods += [("inductor_amb", {"fraction": f}, f"Inductor activation_memory_budget={f}") for f in args.fractions]
     methods += [("memcompile_int8", {}, "memcompile int8")]
+    methods = [m for m in methods if m[0] in args.methods]
     plain_max = None
     rows: list[dict] = []
     with (RESULTS / f"max_batch{args.tag}.jsonl").open("w") as sink:
@@ -295,6 +297,8 @@ def main() -> int:
     ap.add_argument("--base-batch", type=int, default=4, help="the budget is plain Inductor's peak at this size")
     ap.add_argument("--budget", type=int, help="absolute budget in bytes instead")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--methods", type=lambda v: v.split(","), default=list(METHODS),
+                    help=f"comma-separated subset of {','.join(METHODS)} (plain Inductor always sets the budget)")
     ap.add_argument("--limit", type=int, default=256, help="largest size tried")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=5.0)

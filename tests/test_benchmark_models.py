@@ -141,3 +141,18 @@ def test_recomputations_are_not_fused_into_earlier_layers(monkeypatch) -> None:
                                        live_at_start=[bench.module, *bench.inputs])
     assert measured.peak_bytes <= budget
     torch.compiler.reset()
+
+
+def test_decisive_points_resumes_only_children_of_the_same_spec() -> None:
+    """--resume keeps a child only when it measured the same variants under the same settings: its
+    record holds the variants as a dict of results, the spec as a list of names."""
+    from decisive_points import same_spec
+
+    spec = {"model": "llama", "size": "real", "threads": 2, "steps": 3, "time_limit": 30.0,
+            "variants": ["amb:0.8", "mc:1113464070"]}
+    rec = {**spec, "child": 0, "status": "ok", "variants": {"amb:0.8": {"step_ratio": 1.0},
+                                                             "mc:1113464070": {"step_ratio": 1.0}}}
+    assert same_spec(rec, spec)
+    assert not same_spec({**rec, "steps": 20}, spec)
+    assert not same_spec({**rec, "variants": {"amb:0.8": {}}}, spec)
+    assert not same_spec(rec, {**spec, "variants": ["mc:1113464070", "amb:0.8"]})
