@@ -55,6 +55,20 @@ def _fresh_function(module):
     return eval(code, {"module": module})
 
 
+def _commit() -> str:
+    out = subprocess.run(["git", "-C", str(HERE), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return f"{model} ({os.cpu_count()} CPUs)"
+
+
 def child(spec: dict) -> dict:
     import torch
     import torch._functorch.config as functorch_config
@@ -74,7 +88,7 @@ def child(spec: dict) -> dict:
         return build(spec["model"], spec["size"])
 
     runs = []  # (name, fn, module, inputs)
-    rec: dict = {**spec, "torch": torch.__version__, "variants": {}}
+    rec: dict = {**spec, "torch": torch.__version__, "commit": _commit(), "machine": _machine(), "variants": {}}
     # module state no graph reads (Llama's rotary_emb.original_inv_freq): held outside the step,
     # reserved as pareto.py does (a Dynamo capture: before anything else is compiled)
     probe = fresh()
@@ -168,9 +182,14 @@ def report(recs: list[dict], args: argparse.Namespace) -> str:
     lines = [f"# Decisive points: {args.model} {args.size}, {len(ok)} children x {args.steps} rounds",
              "",
              f"Command: `python benchmarks/decisive_points.py --model {args.model} --size {args.size} "
-             f"--children {args.children} --steps {args.steps} --variants {args.variants}"
+             f"--children {args.children} --steps {args.steps} --threads {args.threads} "
+             f"--time-limit {args.time_limit:g} --variants {args.variants}"
              f"{' --tag ' + args.tag if args.tag != default_tag(args) else ''}`. Every child compiles the baseline and every variant; "
              "ratio = the variant's median step / the median of both baselines' steps, in the same child.",
+             "",
+             f"Children measured at commit(s) {', '.join(sorted({r.get('commit', 'not recorded') for r in ok})) or '-'}; "
+             f"machine: {', '.join(sorted({r.get('machine', 'not recorded') for r in ok})) or '-'}."
+             + (f" {args.note}" if args.note else ""),
              ""]
     noise = [r["noise_ratio"] for r in ok]
     if noise:
@@ -215,6 +234,7 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=None,
                     help="run at most this many children now; exit 3 while children are left")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds before a child is stopped")
+    ap.add_argument("--note", default="", help="a sentence for the report (where the records do not say it)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tag is None:
