@@ -28,6 +28,19 @@ class DeviceProfile:
     # Compute-bound ops (those with a FLOP count) are timed on this device instead of priced by
     # the roofline (cost_models/op_timing.py): CPU only, where the plan's process runs them.
     times_ops: bool = False
+    # Working sets beyond the caches stream at this rate (a CPU's DRAM: 27 GB/s on the 2-core
+    # EPYC VM where a 32 MiB copy ran at 80 GB/s); those of at most `cache_bytes` at
+    # memory_bytes_per_s. 0: memory_bytes_per_s for every size (accelerators' datasheet rate).
+    large_memory_bytes_per_s: float = 0.0
+    cache_bytes: int = 0
+
+    def memory_time_s(self, nbytes: float, working_set_bytes: float | None = None) -> float:
+        """Seconds to move `nbytes` through memory in passes over `working_set_bytes` (default:
+        `nbytes`): at the cache's rate where the working set fits it, else at the large rate."""
+        working_set = nbytes if working_set_bytes is None else working_set_bytes
+        if self.large_memory_bytes_per_s and working_set > self.cache_bytes:
+            return nbytes / self.large_memory_bytes_per_s
+        return nbytes / self.memory_bytes_per_s
 
     def matmul_rate(self, dtype: torch.dtype | None) -> float:
         """Dense matmul FLOP/s for results of `dtype`."""
@@ -82,17 +95,31 @@ def _host_floats(*shape: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def measure_cpu_profile() -> DeviceProfile:
-    """A quick (~0.05 s) measurement of this CPU's matmul and copy throughput, on 33 MiB of host
-    memory outside torch's allocator (see _host_floats)."""
+    """A quick (~0.1 s) measurement of this CPU's matmul and copy throughput, on host memory
+    outside torch's allocator (see _host_floats): copies of 16 MiB (a 32 MiB working set, within
+    the last-level cache of many server CPUs) and of 64 MiB (128 MiB: DRAM), since a model at
+    real size streams tensors of tens of MiB: on the 2-core EPYC VM 80 against 27 GB/s, and
+    costs priced at the first rate were a third of what the steps measured."""
     n = 256
     a, b, product = _host_floats(n, n).uniform_(), _host_floats(n, n).uniform_(), _host_floats(n, n)
     torch.mm(a, b, out=product)
     flops = _best_rate(2 * n**3, lambda: torch.mm(a, b, out=product))
-    src = _host_floats(4 * 2**20)  # 16 MiB: beyond most caches
-    dst = _host_floats(4 * 2**20)
+    cached = _copy_rate(_CACHED_COPY_MIB, rounds=5, reps=4)
+    large = min(_copy_rate(_DRAM_COPY_MIB, rounds=3, reps=1), cached)
+    return DeviceProfile("cpu", _round2(flops), _round2(cached), 0.0, 2e-6, times_ops=True,
+                         large_memory_bytes_per_s=_round2(large), cache_bytes=2 * _CACHED_COPY_MIB * 2**20)
+
+
+_CACHED_COPY_MIB = 16
+_DRAM_COPY_MIB = 64
+
+
+def _copy_rate(mib: int, rounds: int, reps: int) -> float:
+    """Bytes per second a copy of `mib` MiB moves (read and written), between host buffers."""
+    src = _host_floats(mib * 2**18)
+    dst = _host_floats(mib * 2**18)
     dst.copy_(src)
-    bandwidth = _best_rate(2 * src.nbytes, lambda: dst.copy_(src))
-    return DeviceProfile("cpu", _round2(flops), _round2(bandwidth), 0.0, 2e-6, times_ops=True)
+    return _best_rate(2 * src.nbytes, lambda: dst.copy_(src), rounds, reps)
 
 
 def profile_for(device: str | torch.device | None) -> DeviceProfile:

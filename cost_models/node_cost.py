@@ -89,5 +89,5 @@ def estimate_node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
         if measured is not None:
             return measured
     compute_s = flops / profile.matmul_rate(val.dtype if isinstance(val, torch.Tensor) else None)
-    memory_s = node_bytes_moved(node) / profile.memory_bytes_per_s
+    memory_s = profile.memory_time_s(node_bytes_moved(node))
     return max(compute_s, memory_s) + profile.op_overhead_s

@@ -92,14 +92,20 @@ _MIN_CHUNK_ROWS = 16
 # the matmul's write, the loss's reductions, the gradient's read and write, the matmuls' reads).
 _OPS_PER_CHUNK = 14
 _EXTRA_LOGITS_PASSES = 4
-# Measured in whole steps, the chunked head adds ~3x what the two terms above say: 0.71, 0.58 and
-# 1.02 ms (BERT, GPT-2, Llama small; 4 chunks of 128 x 2048, 1 thread) where they say 0.33
-# (benchmarks/results/chunk_loss_cost.md), and BERT at PyTorch's 0.8 partition's peak chunked
-# its head for 0.30 ms estimated against 0.33 ms of recomputation: 1.033x the step where that
-# partition ran 0.999x (benchmarks/decisive_points.py at 53e5292; docs/decisions.md). Scaled to
-# the worst of the three: where the estimates are close the head stays whole, and a stock
-# partition that fits is kept.
-_STEP_COST_OVER_MODEL = 3.0
+# The weight, per chunk: the logits' matmul and the hidden gradient's read it, the weight
+# gradient's accumulating matmul (64 rows deep at real size) reads and writes it: 4 passes, where
+# the whole head makes 3 in all. At real size this is the cost that counts, and it measured as
+# 8 passes a chunk at the DRAM copy rate (33 GB/s): 16 chunks added 207-326 ms to a 3.6 s step of
+# the 24-layer Llama (64 MiB head) and 400-735 ms to a 5.5 s step of GPT-2 124M (147 MiB head),
+# min and median ratios of 5 interleaved steps, where 8 passes say 256 and 600 ms
+# (benchmarks/results/chunk_loss_cost_real_*.md). The same share of each model's weight traffic.
+_WEIGHT_PASSES_PER_CHUNK = 8
+_WEIGHT_PASSES_WHOLE = 3
+# Launches measured in whole steps cost ~3x the profile's op overhead: the chunked head added
+# 0.71, 0.58 and 1.02 ms (BERT, GPT-2, Llama small; 4 chunks of 128 x 2048, 1 thread) where
+# launches, logits and weight passes at the profile's rates say ~0.7
+# (benchmarks/results/chunk_loss_cost.md).
+_LAUNCH_COST_OVER_MODEL = 3.0
 
 
 @dataclass(frozen=True)
@@ -147,13 +153,17 @@ class LossHead:
                 f"{self.tokens} tokens, chunked into {self.chunks} ({'; '.join(notes)})")
 
     def added_time_s(self, profile: DeviceProfile) -> float:
-        """Estimated step time the chunked head adds over the whole head (the same matmuls; its
-        small ops run unfused): what chunk_loss="auto" weighs against the recomputation chunking
-        saves: see _STEP_COST_OVER_MODEL. Returned logits: one more pass, their copy out."""
+        """Estimated step time the chunked head adds over the whole head (the same matmuls' FLOPs;
+        its small ops run unfused, each chunk streams the weight again): what chunk_loss="auto"
+        weighs against the recomputation chunking saves. Returned logits: one more pass, their
+        copy out. Each pass at the rate of its working set: a chunk of logits, the weight."""
         logits_bytes = self.tokens * self.vocab * 4
+        weight_bytes = self.vocab * self.hidden * 4  # float32: the weight gradient's accumulator
         passes = _EXTRA_LOGITS_PASSES + (1 if self.returned else 0)
-        return _STEP_COST_OVER_MODEL * (self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s
-                                        + passes * logits_bytes / profile.memory_bytes_per_s)
+        weight_passes = _WEIGHT_PASSES_PER_CHUNK * self.chunks - _WEIGHT_PASSES_WHOLE
+        return (_LAUNCH_COST_OVER_MODEL * self.chunks * _OPS_PER_CHUNK * profile.op_overhead_s
+                + profile.memory_time_s(passes * logits_bytes, logits_bytes / self.chunks)
+                + profile.memory_time_s(weight_passes * weight_bytes, weight_bytes))
 
 
 def _is_call(node: object, targets: set | frozenset) -> bool:

@@ -108,7 +108,8 @@ class MlpBlock:
         size = torch.tensor([], dtype=dtype).element_size()
         flops = mlp_ops.recompute_flops(self.tokens, self.hidden, self.inner, self.gated)
         return (flops / (_CHUNKED_MATMUL_EFFICIENCY * profile.matmul_rate(dtype))
-                + _EXTRA_INNER_PASSES * self.tokens * self.inner * size / profile.memory_bytes_per_s
+                + profile.memory_time_s(_EXTRA_INNER_PASSES * self.tokens * self.inner * size,
+                                        self.tokens * self.inner * size / self.chunks)
                 + self.chunks * _OPS_PER_CHUNK * max(profile.op_overhead_s, _EAGER_OP_S))
 
 

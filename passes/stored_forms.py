@@ -189,7 +189,8 @@ def store_choices_for(
         # it and writes x: ~4 kernels, each memory-bound.
         moved = 3 * nbytes + 2 * held + nbytes
         store_scratch, load_scratch = conversion_scratch_bytes(val, fmt)
-        choices.append(StoreChoice(Choice.QUANTIZE, fmt, held, moved / profile.memory_bytes_per_s + 4 * profile.op_overhead_s,
+        convert_s = profile.memory_time_s(moved, nbytes + held) + 4 * profile.op_overhead_s
+        choices.append(StoreChoice(Choice.QUANTIZE, fmt, held, convert_s,
                                    store_transient_bytes=store_scratch, load_transient_bytes=load_scratch))
     if options.offload:
         link = options.host_link_bytes_per_s or profile.host_link_bytes_per_s or profile.memory_bytes_per_s

@@ -249,7 +249,20 @@ def test_measuring_the_cpu_profile_allocates_nothing_a_budget_counts():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         profile = device_module.measure_cpu_profile.__wrapped__()
     assert profile.matmul_flops_per_s > 0 and profile.memory_bytes_per_s > 0
+    assert 0 < profile.large_memory_bytes_per_s <= profile.memory_bytes_per_s and profile.cache_bytes > 0
     assert [d for _, d in tp.profiler_allocation_deltas(prof) if d > 0] == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(nbytes=st.integers(0, 2**34), working_set=st.one_of(st.none(), st.integers(0, 2**34)),
+       cache_mib=st.integers(1, 256), slower=st.floats(1.0, 8.0))
+def test_memory_time_is_at_the_large_rate_beyond_the_cache_only(nbytes, working_set, cache_mib, slower):
+    cached = DeviceProfile("test", 1e11, 8e10, 0.0, 2e-6)
+    tiered = DeviceProfile("test", 1e11, 8e10, 0.0, 2e-6, large_memory_bytes_per_s=8e10 / slower,
+                           cache_bytes=cache_mib * 2**20)
+    beyond = (nbytes if working_set is None else working_set) > cache_mib * 2**20
+    assert cached.memory_time_s(nbytes, working_set) == nbytes / 8e10  # no large rate: one rate for all
+    assert tiered.memory_time_s(nbytes, working_set) == pytest.approx(nbytes / 8e10 * (slower if beyond else 1.0))
 
 
 _COMPILE_FRAMES = ("dynamo_timed", "entire_frame_compile", "backend_compile", "compile_fx")
