@@ -268,6 +268,8 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     rec = {**spec, "child": i, "status": "timeout", "error": f"over {args.child_timeout} s"}
                 rec["wall_s"] = round(time.perf_counter() - t0, 1)
+                if rec.get("status") != "ok":
+                    rec["variants"] = {}  # the spec's names only: no results
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
                 recs.append(rec)
