@@ -28,8 +28,8 @@ class DeviceProfile:
     # Compute-bound ops (those with a FLOP count) are timed on this device instead of priced by
     # the roofline (cost_models/op_timing.py): CPU only, where the plan's process runs them.
     times_ops: bool = False
-    # Working sets beyond the caches stream at this rate (a CPU's DRAM: 27 GB/s on the 2-core
-    # EPYC VM where a 32 MiB copy ran at 80 GB/s); those of at most `cache_bytes` at
+    # Working sets beyond the caches stream at this rate (a CPU's DRAM: 27-35 GB/s on the 2-core
+    # EPYC VM where a 16 MiB copy ran at 80-99 GB/s); those of at most `cache_bytes` at
     # memory_bytes_per_s. 0: memory_bytes_per_s for every size (accelerators' datasheet rate).
     large_memory_bytes_per_s: float = 0.0
     cache_bytes: int = 0
@@ -98,8 +98,8 @@ def measure_cpu_profile() -> DeviceProfile:
     """A quick (~0.1 s) measurement of this CPU's matmul and copy throughput, on host memory
     outside torch's allocator (see _host_floats): copies of 16 MiB (a 32 MiB working set, within
     the last-level cache of many server CPUs) and of 64 MiB (128 MiB: DRAM), since a model at
-    real size streams tensors of tens of MiB: on the 2-core EPYC VM 80 against 27 GB/s, and
-    costs priced at the first rate were a third of what the steps measured."""
+    real size streams tensors of tens of MiB: on the 2-core EPYC VM 80-99 against 27-35 GB/s
+    (the chunked loss head, priced at the first rate, cost 10-17x its estimate: docs/decisions.md)."""
     n = 256
     a, b, product = _host_floats(n, n).uniform_(), _host_floats(n, n).uniform_(), _host_floats(n, n)
     torch.mm(a, b, out=product)
