@@ -22,8 +22,8 @@ torch.utils.checkpoint), `mc:BYTES` (memcompile.budget(BYTES), lossless), `mc8:B
 Writes benchmarks/results/decisive{tag}.jsonl (one record per child), decisive{tag}.md and
 decisive{tag}_summary.json; the tag is _<model>_<size> unless --tag says otherwise.
 
-At --size real a child compiles five graphs of 100M+ parameters and runs for minutes: run the
-children in pieces, each appended to the .jsonl as it finishes (exit 3 while children are left):
+At --size real a child compiles plain Inductor and every variant of a 100M-parameter model and
+times them for minutes: run the children in pieces, each appended to the .jsonl as it finishes (exit 3 while children are left):
 
     python benchmarks/decisive_points.py --model llama --size real --threads 2 --steps 3 \
         --time-limit 30 --variants amb:0.8,mc:1113464070 --resume --max-new 1
@@ -55,20 +55,6 @@ def _fresh_function(module):
     return eval(code, {"module": module})
 
 
-def _commit() -> str:
-    out = subprocess.run(["git", "-C", str(HERE), "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return f"{model} ({os.cpu_count()} CPUs)"
-
-
 def child(spec: dict) -> dict:
     import torch
     import torch._functorch.config as functorch_config
@@ -77,7 +63,7 @@ def child(spec: dict) -> dict:
     sys.path.insert(0, str(HERE))
     import memcompile
     from hf_models import build
-    from pareto import STEPS_PER_SWITCH, one_step, unread_module_bytes
+    from pareto import STEPS_PER_SWITCH, code_and_machine, one_step, unread_module_bytes
 
     torch.set_num_threads(spec["threads"])
     inductor_config.fx_graph_cache = False
@@ -88,7 +74,9 @@ def child(spec: dict) -> dict:
         return build(spec["model"], spec["size"])
 
     runs = []  # (name, fn, module, inputs)
-    rec: dict = {**spec, "torch": torch.__version__, "commit": _commit(), "machine": _machine(), "variants": {}}
+    made = code_and_machine()
+    rec: dict = {**spec, "torch": torch.__version__, "commit": made["commit"],
+                 "machine": f"{made['cpu']} ({made['cpus']} CPUs)", "variants": {}}
     # module state no graph reads (Llama's rotary_emb.original_inv_freq): held outside the step,
     # reserved as pareto.py does (a Dynamo capture: before anything else is compiled)
     probe = fresh()
