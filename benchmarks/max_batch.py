@@ -315,6 +315,9 @@ def main() -> int:
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=INT", help="model config entries")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        ap.error(f"--methods {','.join(unknown)}: expected a subset of {','.join(METHODS)}")
     if args.child is None:
         if args.cache_dir:
             return parent(args)
