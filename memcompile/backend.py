@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -63,6 +65,17 @@ class _CompileRecord:
     rewrite_time_s: float = 0.0  # what those changes are estimated to add to the step by themselves
     inference_peak_bytes: int | None = None  # an inference graph's predicted peak (no partitioner runs)
     input_names: tuple[str, ...] = ()  # the graph's placeholders: the plan names its inputs after them
+    # raise _Planned with the plan as soon as it is made where it is estimated to add more than
+    # this (-inf: always): the region compares it with a rewritten graph's before lowering either
+    stop_above_s: float | None = None
+
+
+class _Planned(Exception):
+    """A graph's plan, made and not compiled (_CompileRecord.stop_above_s)."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(f"memcompile: planned {plan.graph_id} only, to compare")
+        self.plan = plan
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -102,6 +115,8 @@ class Partitioner(tp.PartitionerBase):
         primals = sum(map(tp.is_primal, gm.graph.find_nodes(op="placeholder")))
         if record is not None and len(record.input_names) == primals:  # primals_N: the N-th graph input
             plan = dataclasses.replace(plan, peak_tensors=with_input_names(plan.peak_tensors, record.input_names))
+        if record is not None and record.stop_above_s is not None and plan.added_time_s > record.stop_above_s:
+            raise _Planned(plan)
         if record is not None:
             record.plan = plan
             record.inputs = inputs
@@ -301,9 +316,23 @@ class _Region:
             self._finish_first(ladder_key, outside)
             return
         rewrite_first_s = self._cheap_rewrite_s(example_inputs) if defer else None
+
+        def first_for(o: int) -> _Variant:
+            # Where its plan recomputes more than a rewrite also tried when a plan fits without it
+            # costs (the loss head), the graph as traced is not lowered before the rewritten
+            # graph's plan is compared with its own (_rewritten_if_estimated_faster).
+            cheapest = self._cheapest_rewrite_s(example_inputs) if not cautious else None
+            try:
+                return compile_for(o, not defer, rewrite_first_s=rewrite_first_s, stop_above_s=cheapest)
+            except _Planned as planned:
+                self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
+                if self._rewritten_if_estimated_faster(planned.plan, example_inputs, o):
+                    return compile_for(o)
+            logs.rung("the graph as traced, compiled (its plans remembered)")
+            return compile_for(o, not defer, rewrite_first_s=rewrite_first_s)
+
         try:
-            self._first = self._plan_for_position(position, outside,
-                                                  lambda o: compile_for(o, not defer, rewrite_first_s=rewrite_first_s))
+            self._first = self._plan_for_position(position, outside, first_for)
         except StepOverrunError:
             # Not this region's own limit (earlier calls hold too much): it plans at its call,
             # which raises the error where the user sees it, and plans again if the step is run again.
@@ -321,11 +350,6 @@ class _Region:
             whole_error = error
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=whole_error, coarse=not cautious))
-        else:
-            if not cautious:
-                device = backend.options.device or step_device(example_inputs)
-                for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
-                    self._rewrite_if_faster(rewrite, position, outside, compile_for, device)
         self._finish_first(ladder_key, outside)
 
     def _cautious_first(self, position: int) -> bool:
@@ -356,8 +380,9 @@ class _Region:
 
     def _compile_first_for(self, example_inputs: Sequence[Any], cautious: bool, outside: int,
                            search_least_peak: bool = True, partitions_only: bool = False,
-                           rewrite_first_s: float | None = None) -> _Variant:
-        """One compile of the first call's graph as rewritten so far, beside `outside`."""
+                           rewrite_first_s: float | None = None, stop_above_s: float | None = None) -> _Variant:
+        """One compile of the first call's graph as rewritten so far, beside `outside` (with
+        `stop_above_s`: see _compile)."""
         backend = self.backend
         kind = _PlannedFor.LEAST if cautious else _PlannedFor.OUTSIDE
         variant = self._compile((kind, outside, self._sizes_key()), outside, self.rewrites.gm, example_inputs,
@@ -365,10 +390,54 @@ class _Region:
                                             partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
                                             defer_check=backend.options.codegen == "inductor"
                                             and not backend.plan_only),
-                                autograd_cache=not cautious)
+                                autograd_cache=not cautious, stop_above_s=stop_above_s)
         # the request the kept compile made (a ladder replays it)
         self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
         return variant
+
+    def _estimate_first_for(self, example_inputs: Sequence[Any], outside: int, search_least_peak: bool,
+                            rewrite_first_s: float | None = None) -> Plan:
+        """The plan the first call's graph as rewritten so far would compile with (not cautious),
+        beside `outside`, made without lowering it (_estimate)."""
+        return self._estimate(outside, example_inputs, PlanRequest(
+            search_least_peak=search_least_peak, rewrite_first_s=rewrite_first_s,
+            defer_check=self.backend.options.codegen == "inductor"))
+
+    def _rewritten_if_estimated_faster(self, plan: Plan, example_inputs: Sequence[Any], outside: int) -> bool:
+        """Where the plan of the graph as it is recomputes: each "auto" rewrite also tried where a
+        plan fits without it (Rewrite.when_faster: the loss head), applied if the rewritten graph's
+        plan plus what the rewrite itself costs is estimated faster. Both graphs are compared on
+        their plans before either is lowered: the one not taken is never compiled. True where a
+        rewrite was applied (the caller compiles the region's graph as it now is).
+        A chunked loss head never holds the logits whole, chunked MLPs never their intermediate
+        activations, so the rest of the step has more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4
+        partition with the head whole ran 1.11x the step, the chunked head with the 0.8 partition
+        1.05x in a run of `python benchmarks/pareto.py --models gpt2 --size small --threads 1`)."""
+        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
+        applied = False
+        for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
+            found = find_matches(self.rewrites.gm.graph, rewrite.pattern)
+            rewrite_s = sum(x.added_time_s(profile) for x in found)
+            if not found or plan.added_time_s <= rewrite_s:
+                continue
+            saved = self._saved()
+            self._apply(rewrite)
+            logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
+            reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
+                      f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
+            self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
+            try:
+                rewritten: Plan | None = self._estimate_first_for(example_inputs, outside, search_least_peak=False)
+            except (NoSolverPlanFits, InfeasibleBudgetError):
+                rewritten = None
+            if rewritten is not None and rewritten.added_time_s + rewrite_s < plan.added_time_s:
+                log.debug("memcompile: chunking %s (%s): %s", rewrite.what, reason,
+                          "; ".join(x.describe() for x in self.rewrites.matches(rewrite.kind)))
+                plan, applied = rewritten, True
+                continue
+            logs.rung(f"not chunking {rewrite.what}: not estimated faster")
+            self._restore(saved)
+        return applied
 
     def _raise_if_refused_before(self, refused_key: str) -> None:
         """Raise what an earlier launch's ladder for this graph ended with, where no graph of it fitted."""
@@ -388,6 +457,16 @@ class _Region:
             return None
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
         return sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, pending[0].pattern))
+
+    def _cheapest_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
+        """The least estimated added time of the pending rewrites also tried where a plan fits
+        without them (Rewrite.when_faster), or None where there is none (or no joint graph)."""
+        if not _needs_gradient(example_inputs):
+            return None
+        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
+        costs = [sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, r.pattern))
+                 for r in self._pending_rewrites() if r.when_faster]
+        return min(costs, default=None)
 
     def _finish_first(self, ladder_key: str | None, outside: int) -> None:
         if ladder_key is not None:
@@ -498,45 +577,6 @@ class _Region:
                 self._restore(saved)
         return None
 
-    def _rewrite_if_faster(self, rewrite: Rewrite, position: int, outside: int,
-                           compile_for: Callable[..., _Variant], device: str) -> None:
-        """An "auto" rewrite where the plan without it fits by recomputing: plan the rewritten graph
-        too, and keep it if its recomputation plus what the rewrite itself costs is estimated less.
-        A chunked loss head never holds the logits whole, chunked MLPs never their intermediate
-        activations, so the rest of the step has more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4
-        partition with the head whole ran 1.11x the step, the chunked head with the 0.8 partition
-        1.05x in a run of `python benchmarks/pareto.py --models gpt2 --size small --threads 1`).
-        Costs one more compile, only where the
-        plan recomputes more than the rewrite costs."""
-        current = self._first
-        plan = current.plan if current is not None else None
-        if plan is None or plan.added_time_s <= 0:
-            return
-        found = find_matches(self.rewrites.gm.graph, rewrite.pattern)
-        rewrite_s = sum(x.added_time_s(cost_profile(self.backend.options, device)) for x in found)
-        if not found or plan.added_time_s <= rewrite_s:
-            return
-        saved = self._saved()
-        self._apply(rewrite)
-        logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
-        reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
-                  f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
-        self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
-        try:
-            rewritten = self._plan_for_position(position, outside, compile_for)
-        except InfeasibleBudgetError:
-            rewritten = None
-        if rewritten is not None and rewritten.plan is not None \
-                and rewritten.plan.added_time_s + rewrite_s < plan.added_time_s:
-            log.debug("memcompile: chunking %s (%s): %s", rewrite.what, reason,
-                      "; ".join(x.describe() for x in self.rewrites.matches(rewrite.kind)))
-            self._first = rewritten
-            self._forget_plan(plan)
-            return
-        self._restore(saved)
-        if rewritten is not None and rewritten.plan is not None:
-            self._forget_plan(rewritten.plan)
-
     def _saved(self) -> _Saved:
         """What trying a rewrite changes, to go back to it as it was."""
         return _Saved(self.rewrites, self.replanner, dict(self.variants))
@@ -604,8 +644,7 @@ class _Region:
         no gradient (an inference graph is checked where it compiles), sizes not readable."""
         backend = self.backend
         if (options.codegen != "inductor" or not options.plan_store_dir or backend.plan_only
-                or request.decisions is not None or not torch.is_grad_enabled()
-                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)):
+                or request.decisions is not None or not _needs_gradient(example_inputs)):
             return None
         device = options.device or step_device(example_inputs)
         asked = (f"compiled least_peak={request.least_peak} search={request.search_least_peak} "
@@ -616,8 +655,26 @@ class _Region:
                                       options_text=options.describe(), request_text=asked,
                                       environment_text=planning_environment(device))
 
-    def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                 request: PlanRequest, autograd_cache: bool = False) -> _Variant:
+    def _estimate(self, outside: int, example_inputs: Sequence[Any], request: PlanRequest) -> Plan:
+        """The plan a compile of the graph as rewritten so far would start from, beside `outside`,
+        made without lowering the graph: traced, partitioned and planned, its plan chosen on the
+        model where the request defers the check to the compile's schedule (PlanRequest.defer_check).
+        Raises what planning raises (NoSolverPlanFits, InfeasibleBudgetError). What the
+        planning checked and solved is remembered in-process (the backend's check memo, the solver's
+        plan cache): the compile that follows does not check or solve the same again."""
+        options, record = self._compile_setup(outside, self.rewrites.gm, example_inputs, request)
+        record.stop_above_s = -math.inf
+        try:
+            with self._compiling(options, record, example_inputs):
+                self.backend.compile_graph(self.rewrites.fresh_graph(), example_inputs, options)
+        except _Planned as planned:
+            return planned.plan
+        raise PlanningFailedError(f"memcompile: estimating {self.rewrites.described() or 'a graph'}: "
+                                  "no joint graph reached the partitioner (no gradient?)")
+
+    def _compile_setup(self, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                       request: PlanRequest) -> tuple[Options, _CompileRecord]:
+        """The options a compile beside `outside` plans with, and the record its partitioner fills."""
         eager = self.backend.ledger.eager_bytes() if outside else 0
         options = dataclasses.replace(self.backend.options, boundary_bytes=self.boundary_bytes, eager_outside_bytes=eager,
                                       eager_where=self.boundary_where if self.boundary_bytes >= eager
@@ -633,17 +690,32 @@ class _Region:
         record = _CompileRecord(request=request, graph_rewrites=self.rewrites.described(),
                                 rewrite_time_s=self.rewrites.added_time_s(profile),
                                 input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")))
-        schedules: list[tp.CompiledSchedule] = []  # the compile's own, for a plan chosen on a bound
-        cache_key = self._compiled_key(options, request, gm, example_inputs) if autograd_cache else None
+        return options, record
+
+    @contextlib.contextmanager
+    def _compiling(self, options: Options, record: _CompileRecord, example_inputs: Sequence[Any]) -> Iterator[None]:
+        """The scope one compile (or estimate) of this region runs in: its record for the
+        partitioner, the sizes planned for, the memory op timing may take, the checks remembered."""
         token = _RECORD.set(record)
         try:
             # op timing runs while the compile's own copies are live (counted in the reserve or not)
             headroom = _headroom_bytes(options, example_inputs) - (self.backend.compile_scratch - options.compile_scratch_bytes)
             with planning_sizes(self.sizes), timing_allocation_limit(headroom), \
                     check_memo.remembering(self.backend.checks):
-                fn = self.backend.compile_graph(gm, example_inputs, options, schedules, cache_key)
+                yield
         finally:
             _RECORD.reset(token)
+
+    def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 request: PlanRequest, autograd_cache: bool = False, stop_above_s: float | None = None) -> _Variant:
+        """One compile; with `stop_above_s`, _Planned instead where the plan is estimated to add
+        more than that (nothing lowered: _CompileRecord.stop_above_s)."""
+        options, record = self._compile_setup(outside, gm, example_inputs, request)
+        record.stop_above_s = stop_above_s
+        schedules: list[tp.CompiledSchedule] = []  # the compile's own, for a plan chosen on a bound
+        cache_key = self._compiled_key(options, request, gm, example_inputs) if autograd_cache else None
+        with self._compiling(options, record, example_inputs):
+            fn = self.backend.compile_graph(gm, example_inputs, options, schedules, cache_key)
         from_cache = cache_key is not None and record.plan is None and record.inference_peak_bytes is None
         if from_cache:
             # AOTAutograd's cache served the graphs (no partitioner ran): their plan is the one kept
@@ -962,6 +1034,11 @@ def _freed_leaves(args: Sequence[Any], held_by_caller: Sequence[bool], inputs: I
         return sum(b for b, _ in gone), sum(b for b, g in gone if g)
 
     return freed
+
+
+def _needs_gradient(example_inputs: Sequence[Any]) -> bool:
+    """Whether a compile of these inputs makes a joint graph (the partitioner plans it)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
 def _inputs_and_gradients_bytes(example_inputs: Sequence[Any]) -> int:
