@@ -38,9 +38,9 @@ from memcompile.plan import Plan, TextEnum, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
 from memcompile.region_rewrites import (Rewrite, RewriteState, apply_rewrite, initial_rewrites, pending_rewrites,
                                         rewrite_named)
-from memcompile.planner import (NoSolverPlanFits, PlanRequest, Replanner, confirm_on_compile, cost_profile, held_bytes,
-                                inductor_rules_for,
-                                plan_joint_graph, planning_environment, predicted_inference_peak)
+from memcompile.planner import (NoSolverPlanFits, PlannedGraph, PlanRequest, Replanner, confirm_on_compile,
+                                cost_profile, held_bytes, inductor_rules_for, plan_joint_graph, planning_environment,
+                                predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 from memcompile.step_plan import NoStepPlan, StepBudget, choose_step_plan, no_step_plan_error, step_positions
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
@@ -71,11 +71,13 @@ class _CompileRecord:
 
 
 class _Planned(Exception):
-    """A graph's plan, made and not compiled (_CompileRecord.stop_above_s)."""
+    """A graph's plan, made and not compiled (_CompileRecord.stop_above_s); `made`, where the
+    planning can say, is what compiles the same graph to it without searching again."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, made: PlannedGraph | None) -> None:
         super().__init__(f"memcompile: planned {plan.graph_id} only, to compare")
         self.plan = plan
+        self.made = made
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -116,7 +118,7 @@ class Partitioner(tp.PartitionerBase):
         if record is not None and len(record.input_names) == primals:  # primals_N: the N-th graph input
             plan = dataclasses.replace(plan, peak_tensors=with_input_names(plan.peak_tensors, record.input_names))
         if record is not None and record.stop_above_s is not None and plan.added_time_s > record.stop_above_s:
-            raise _Planned(plan)
+            raise _Planned(plan, record.request.made if record.request is not None else None)
         if record is not None:
             record.plan = plan
             record.inputs = inputs
@@ -325,11 +327,13 @@ class _Region:
             try:
                 return compile_for(o, not defer, rewrite_first_s=rewrite_first_s, stop_above_s=cheapest)
             except _Planned as planned:
-                self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
-                if self._rewritten_if_estimated_faster(planned.plan, example_inputs, o):
-                    return compile_for(o)
-            logs.rung("the graph as traced, compiled (its plans remembered)")
-            return compile_for(o, not defer, rewrite_first_s=rewrite_first_s)
+                traced = planned
+            self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
+            chosen = self._rewritten_if_estimated_faster(traced, example_inputs, o)
+            if chosen is not traced:
+                return compile_for(o, planned=chosen.made)
+            logs.rung("the graph as traced, compiled to the plan it was estimated with")
+            return compile_for(o, not defer, rewrite_first_s=rewrite_first_s, planned=traced.made)
 
         try:
             self._first = self._plan_for_position(position, outside, first_for)
@@ -380,64 +384,67 @@ class _Region:
 
     def _compile_first_for(self, example_inputs: Sequence[Any], cautious: bool, outside: int,
                            search_least_peak: bool = True, partitions_only: bool = False,
-                           rewrite_first_s: float | None = None, stop_above_s: float | None = None) -> _Variant:
+                           rewrite_first_s: float | None = None, stop_above_s: float | None = None,
+                           planned: PlannedGraph | None = None) -> _Variant:
         """One compile of the first call's graph as rewritten so far, beside `outside` (with
-        `stop_above_s`: see _compile)."""
+        `stop_above_s`: see _compile; `planned`: PlanRequest.planned)."""
         backend = self.backend
         kind = _PlannedFor.LEAST if cautious else _PlannedFor.OUTSIDE
         variant = self._compile((kind, outside, self._sizes_key()), outside, self.rewrites.gm, example_inputs,
                                 PlanRequest(least_peak=cautious, search_least_peak=search_least_peak,
                                             partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
                                             defer_check=backend.options.codegen == "inductor"
-                                            and not backend.plan_only),
+                                            and not backend.plan_only, planned=planned),
                                 autograd_cache=not cautious, stop_above_s=stop_above_s)
         # the request the kept compile made (a ladder replays it)
         self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
         return variant
 
     def _estimate_first_for(self, example_inputs: Sequence[Any], outside: int, search_least_peak: bool,
-                            rewrite_first_s: float | None = None) -> Plan:
+                            rewrite_first_s: float | None = None) -> _Planned:
         """The plan the first call's graph as rewritten so far would compile with (not cautious),
         beside `outside`, made without lowering it (_estimate)."""
         return self._estimate(outside, example_inputs, PlanRequest(
             search_least_peak=search_least_peak, rewrite_first_s=rewrite_first_s,
             defer_check=self.backend.options.codegen == "inductor"))
 
-    def _rewritten_if_estimated_faster(self, plan: Plan, example_inputs: Sequence[Any], outside: int) -> bool:
-        """Where the plan of the graph as it is recomputes: each "auto" rewrite also tried where a
-        plan fits without it (Rewrite.when_faster: the loss head), applied if the rewritten graph's
-        plan plus what the rewrite itself costs is estimated faster. Both graphs are compared on
-        their plans before either is lowered: the one not taken is never compiled. True where a
-        rewrite was applied (the caller compiles the region's graph as it now is).
+    def _rewritten_if_estimated_faster(self, estimate: _Planned, example_inputs: Sequence[Any],
+                                       outside: int) -> _Planned:
+        """Where the plan of the graph as it is (`estimate`) recomputes: each "auto" rewrite also
+        tried where a plan fits without it (Rewrite.when_faster: the loss head), applied if the
+        rewritten graph's plan plus what the rewrite itself costs is estimated faster. Both graphs
+        are compared on their plans before either is lowered: the one not taken is never
+        compiled. Returns the estimate of the graph the region has now (`estimate` itself where
+        no rewrite was applied), for the caller to compile to that plan.
         A chunked loss head never holds the logits whole, chunked MLPs never their intermediate
         activations, so the rest of the step has more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4
         partition with the head whole ran 1.11x the step, the chunked head with the 0.8 partition
         1.05x in a run of `python benchmarks/pareto.py --models gpt2 --size small --threads 1`)."""
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
-        applied = False
         for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
             found = find_matches(self.rewrites.gm.graph, rewrite.pattern)
             rewrite_s = sum(x.added_time_s(profile) for x in found)
-            if not found or plan.added_time_s <= rewrite_s:
+            added_s = estimate.plan.added_time_s
+            if not found or added_s <= rewrite_s:
                 continue
             saved = self._saved()
             self._apply(rewrite)
             logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
-            reason = (f"estimated faster: recompute {plan.added_time_s * 1e3:.2f} ms without it, "
+            reason = (f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
                       f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
             self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
             try:
-                rewritten: Plan | None = self._estimate_first_for(example_inputs, outside, search_least_peak=False)
+                rewritten: _Planned | None = self._estimate_first_for(example_inputs, outside, search_least_peak=False)
             except (NoSolverPlanFits, InfeasibleBudgetError):
                 rewritten = None
-            if rewritten is not None and rewritten.added_time_s + rewrite_s < plan.added_time_s:
+            if rewritten is not None and rewritten.plan.added_time_s + rewrite_s < added_s:
                 log.debug("memcompile: chunking %s (%s): %s", rewrite.what, reason,
                           "; ".join(x.describe() for x in self.rewrites.matches(rewrite.kind)))
-                plan, applied = rewritten, True
+                estimate = rewritten
                 continue
             logs.rung(f"not chunking {rewrite.what}: not estimated faster")
             self._restore(saved)
-        return applied
+        return estimate
 
     def _raise_if_refused_before(self, refused_key: str) -> None:
         """Raise what an earlier launch's ladder for this graph ended with, where no graph of it fitted."""
@@ -655,8 +662,8 @@ class _Region:
                                       options_text=options.describe(), request_text=asked,
                                       environment_text=planning_environment(device))
 
-    def _estimate(self, outside: int, example_inputs: Sequence[Any], request: PlanRequest) -> Plan:
-        """The plan a compile of the graph as rewritten so far would start from, beside `outside`,
+    def _estimate(self, outside: int, example_inputs: Sequence[Any], request: PlanRequest) -> _Planned:
+        """The plan a compile of the graph as rewritten so far would make, beside `outside`,
         made without lowering the graph: traced, partitioned and planned, its plan chosen on the
         model where the request defers the check to the compile's schedule (PlanRequest.defer_check).
         Raises what planning raises (NoSolverPlanFits, InfeasibleBudgetError). What the
@@ -668,7 +675,7 @@ class _Region:
             with self._compiling(options, record, example_inputs):
                 self.backend.compile_graph(self.rewrites.fresh_graph(), example_inputs, options)
         except _Planned as planned:
-            return planned.plan
+            return planned
         raise PlanningFailedError(f"memcompile: estimating {self.rewrites.described() or 'a graph'}: "
                                   "no joint graph reached the partitioner (no gradient?)")
 
@@ -745,8 +752,8 @@ class _Region:
                          "schedule; planning again with checks", record.plan.graph_id)
                 self._forget_plan(record.plan)
                 again = self.rewrites.fresh_graph()
-                return self._compile(key, outside, again, example_inputs, dataclasses.replace(request, defer_check=False),
-                                     autograd_cache)
+                checked = dataclasses.replace(request, defer_check=False, planned=None)
+                return self._compile(key, outside, again, example_inputs, checked, autograd_cache)
             self.backend.plans[:] = [confirmed if p is record.plan else p for p in self.backend.plans]
             record.plan = confirmed
         if cache_key is not None and not from_cache and record.plan is not None:

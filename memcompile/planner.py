@@ -366,6 +366,18 @@ def _plan_joint_graph(
                                graph_id, request, device)
             if replayed is not None:
                 return replayed
+    if request is not None and request.planned is not None:
+        planned = request.planned
+        replayed = _replay(planned.as_stored(), joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices,
+                           options, graph_id, request, device, from_store=False)
+        if replayed is not None:
+            if planned.deferred is not None:
+                request.deferred = dataclasses.replace(planned.deferred, store=None if key is None else (
+                    options.plan_store_dir, key, replayed[2], planned.solution, planned.candidate_names))
+            elif key is not None:
+                plan_store.save(options.plan_store_dir, key, dataclasses.replace(planned.as_stored(), plan=replayed[2]))
+            return replayed
+        log.debug("memcompile: %s: the estimate's plan does not apply to this trace; planning it again", graph_id)
     asked = request if request is not None else PlanRequest()  # the same asks as none
     try:
         fw, bw, plan = _search(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
@@ -382,13 +394,15 @@ def _plan_joint_graph(
             plan_store.save(options.plan_store_dir, key,
                             plan_store.StoredOutcome(plan_store.Outcome.NO_FIT, min_feasible_bytes=no_fit.floor_at_least))
         raise
-    if key is None:
-        return fw, bw, plan
     solution, replanner = asked.solution, asked.replanner
     names: tuple[str, ...] = ()
     if isinstance(solution, ActivationSolution):
         made = replanner.made if isinstance(replanner, DeferredReplanner) else replanner
         names = tuple(made.analysis.problem.names) if made is not None else ()
+    if isinstance(solution, StockSolution) or names:
+        asked.made = PlannedGraph(plan, solution, names, asked.deferred)
+    if key is None:
+        return fw, bw, plan
     if asked.deferred is not None:
         # stored once the compile's schedule has checked it (confirm_on_compile)
         asked.deferred = dataclasses.replace(asked.deferred, store=(options.plan_store_dir, key, plan, solution, names))
@@ -401,8 +415,9 @@ def _plan_joint_graph(
 
 def _replay(stored: "plan_store.StoredOutcome", joint, joint_inputs, num_fwd_outputs: int,
             static_lifetime_input_indices, options: Options, graph_id: str, request: "PlanRequest | None",
-            device: str) -> tuple[fx.GraphModule, fx.GraphModule, Plan] | None:
-    """A stored outcome, as it happened the first time; None if it no longer applies (then plan)."""
+            device: str, from_store: bool = True) -> tuple[fx.GraphModule, fx.GraphModule, Plan] | None:
+    """A stored outcome, as it happened the first time; None if it no longer applies (then plan).
+    Not `from_store`: a plan this launch made (PlanRequest.planned), its search time its own."""
     def replanner() -> Replanner:
         analysis, profile = _analyse(joint, num_fwd_outputs, static_lifetime_input_indices, options, device)
         return _new_replanner(joint, joint_inputs, analysis, profile, num_fwd_outputs,
@@ -429,6 +444,9 @@ def _replay(stored: "plan_store.StoredOutcome", joint, joint_inputs, num_fwd_out
         return None
     if request is not None:
         request.solution = solution
+    if not from_store:
+        logs.stage(f"{graph_id}: the plan chosen on its estimate, compiled without searching again")
+        return fw, bw, dataclasses.replace(stored.plan, graph_id=graph_id)
     logs.stage(f"{graph_id}: the plan an earlier launch made for this graph, read from the plan store")
     return fw, bw, plan_store.as_loaded(stored.plan, graph_id)
 
@@ -1128,9 +1146,28 @@ class PlanRequest:
     # the step, NoSolverPlanFits at once (with search_least_peak False): no plan of this graph can
     # save more than noise against the rewritten one
     rewrite_first_s: float | None = None
+    # a plan an earlier planning of the same graph made (the region's estimate, made without
+    # lowering: backend._Region._estimate): compiled as it is, its check deferred as it was
+    planned: "PlannedGraph | None" = None
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
     solution: ActivationSolution | StockSolution | None = None  # out: the decisions the plan runs
     deferred: "DeferredCheck | None" = None  # out: the plan awaits the compile's check
+    made: "PlannedGraph | None" = None  # out: what this planning made, to compile it later as `planned`
+
+
+@dataclass(frozen=True)
+class PlannedGraph:
+    """One planning's outcome, enough to compile the same graph to the same plan without
+    searching again (PlanRequest.planned)."""
+
+    plan: Plan
+    solution: "ActivationSolution | StockSolution"
+    candidate_names: tuple[str, ...]  # the problem's candidates the solution's indices refer to
+    deferred: "DeferredCheck | None"  # the check the compile's schedule makes (None: checked)
+
+    def as_stored(self) -> "plan_store.StoredOutcome":
+        return plan_store.StoredOutcome(plan_store.Outcome.PLAN, plan=self.plan, solution=self.solution,
+                                        candidate_names=self.candidate_names)
 
 
 @dataclass(frozen=True)
