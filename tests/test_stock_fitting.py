@@ -182,3 +182,20 @@ def test_a_partition_checked_at_another_budget_is_taken_where_it_fits():
     stock._made_at(0.8)  # checked at some earlier budget
     # 0.6 counts least and fits; 0.8, larger, checked already and within the budget, is taken
     assert stock.fitting(1_950_000_000, counted_first=True).solution.fraction == 0.8
+
+
+def test_where_the_least_count_checks_over_a_larger_fraction_estimated_within_is_checked():
+    # As on the Llama (24 layers, 2 x 512, head whole): 0.4, the least count, checks just over the
+    # budget, while 0.8 (a larger count) checks within it; 0.6's estimate is within too, but 0.8,
+    # the faster, is checked first and taken. The default partition's estimate is over: not lowered
+    # again beyond its check as plain Inductor compiles it.
+    checked = {1.0: 1300, 0.8: 1110, 0.6: 1140, 0.4: 1127}
+    counted = {1.0: 1500, 0.8: 1200, 0.6: 1180, 0.4: 1150}
+    stock, lowered = _partitions(checked, counted)
+    chosen = stock.fitting(1113, counted_first=True)
+    assert chosen.solution.fraction == 0.8
+    assert lowered == [("stock", 1.0), 0.4, 0.8]
+    # far below (every estimate over): the least count's check is the only one
+    stock, lowered = _partitions(checked, counted)
+    assert stock.fitting(800, counted_first=True) is None
+    assert lowered == [0.4]
