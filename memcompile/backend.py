@@ -22,7 +22,7 @@ import torch.fx as fx
 from memcompile import _torch_private as tp
 from memcompile import check_memo, logs
 from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
-from memcompile.cost_models.device import blas_workspace_bytes, compile_scratch_bytes
+from memcompile.cost_models.device import DeviceProfile, blas_workspace_bytes, compile_scratch_bytes
 from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
 from memcompile.passes.chunking import find_matches
@@ -430,14 +430,20 @@ class _Region:
             saved = self._saved()
             self._apply(rewrite)
             logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
-            reason = (f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
-                      f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
-            self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
             try:
                 rewritten: _Planned | None = self._estimate_first_for(example_inputs, outside, search_least_peak=False)
             except (NoSolverPlanFits, InfeasibleBudgetError):
                 rewritten = None
+            if rewritten is not None:
+                rewritten, rewrite_s = self._coarsened_in_room(rewrite, saved, rewritten, rewrite_s, profile)
             if rewritten is not None and rewritten.plan.added_time_s + rewrite_s < added_s:
+                limit = self.rewrites.chunk_limits.get(rewrite.kind)
+                reason = (f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
+                          f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation"
+                          + (f"; at most {limit} chunk{'s' if limit > 1 else ''}, whose larger working set "
+                             "its plan has room for"
+                             if limit is not None else ""))
+                self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
                 log.debug("memcompile: chunking %s (%s): %s", rewrite.what, reason,
                           "; ".join(x.describe() for x in self.rewrites.matches(rewrite.kind)))
                 estimate = rewritten
@@ -445,6 +451,36 @@ class _Region:
             logs.rung(f"not chunking {rewrite.what}: not estimated faster")
             self._restore(saved)
         return estimate
+
+    def _coarsened_in_room(self, rewrite: Rewrite, before: _Saved, rewritten: _Planned, rewrite_s: float,
+                           profile: DeviceProfile) -> tuple[_Planned, float]:
+        """The rewrite in fewer chunks (Rewrite.room_limits, fewest first) where the plan of the
+        graph as rewritten has room under its budget for their larger working set: the plan is
+        kept (the same candidates, decided alike) and its peak taken as at most that much higher;
+        the compile checks it where the estimate deferred its check. Returns the estimate with its
+        peak so raised, and the rewrite's cost at that limit; `rewritten` and `rewrite_s` where
+        no limit fits (or the rewrite has none)."""
+        plan, made = rewritten.plan, rewritten.made
+        room = plan.step_budget_bytes - plan.predicted_peak_bytes
+        if rewrite.workspace_bytes is None or made is None or room <= 0:
+            return rewritten, rewrite_s
+        graph = self.rewrites.gm.graph
+        held = rewrite.workspace_bytes(graph, None)
+        finest = max(m.chunks for m in self.rewrites.matches(rewrite.kind))
+        for limit in rewrite.room_limits:
+            if limit >= finest:
+                break
+            grown = rewrite.workspace_bytes(graph, limit) - held
+            if grown > room:
+                continue
+            self._restore(before)
+            self._apply(rewrite, limit)
+            logs.rung(f"{rewrite.what} in at most {limit} chunk{'s' if limit > 1 else ''} (its plan has room for "
+                      f"{format_bytes(grown)} more working set)")
+            raised = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + grown)
+            return (_Planned(raised, dataclasses.replace(made, plan=raised)),
+                    sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind)))
+        return rewritten, rewrite_s
 
     def _raise_if_refused_before(self, refused_key: str) -> None:
         """Raise what an earlier launch's ladder for this graph ended with, where no graph of it fitted."""

@@ -18,7 +18,7 @@ from torch import fx
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.options import Options
 from memcompile.passes.chunking import ChunkMatch, ChunkPattern, apply_chunking, find_matches
-from memcompile.passes.loss_head import LOSS_HEAD, LossHead
+from memcompile.passes.loss_head import LOSS_HEAD, LossHead, chunked_heads_workspace_bytes
 from memcompile.passes.mlp_chunk import MLP
 from memcompile.plan import TextEnum
 
@@ -45,13 +45,19 @@ class Rewrite:
     # Chunk limits tried first, coarsest first, where no plan fits without the rewrite (as
     # apply_chunking's max_chunks): the fewest chunks that fit cost the least.
     coarse_first: tuple[int, ...] = ()
+    # Chunk limits, fewest chunks first, taken where the rewritten graph's plan leaves room under
+    # the budget for their larger working set (`workspace_bytes(graph, limit)`): each chunk of a
+    # loss head streams its weight again (16 chunks of the 24-layer Llama's head: ~6% of the step).
+    room_limits: tuple[int, ...] = ()
+    workspace_bytes: Callable[[fx.Graph, int | None], int] | None = None
 
     def is_auto(self, options: Options) -> bool:
         return self.setting(options) == "auto"
 
 
 # In the order "auto" tries them where no plan fits: the loss head first (cheap to chunk).
-REWRITES = (Rewrite(RewriteKind.LOSS_HEAD, "the loss head", lambda options: options.chunk_loss, LOSS_HEAD),
+REWRITES = (Rewrite(RewriteKind.LOSS_HEAD, "the loss head", lambda options: options.chunk_loss, LOSS_HEAD,
+                    room_limits=(1, 2, 4, 8), workspace_bytes=chunked_heads_workspace_bytes),
             Rewrite(RewriteKind.MLPS, "the MLPs", lambda options: options.chunk_mlp, MLP,
                     when_faster=False, coarse_first=(2,)))
 

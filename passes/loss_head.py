@@ -392,6 +392,21 @@ def with_logits_gradients(heads: Sequence[LossHead], outputs: Any, args: Sequenc
     return type(outputs)(values[:kept]) if isinstance(outputs, tuple) else values[:kept]
 
 
+def chunked_heads_workspace_bytes(graph: fx.Graph, max_chunks: int | None = None) -> int:
+    """What the chunked heads of `graph` hold inside their op while it runs (its chunk of logits
+    and their gradient: loss_ops.workspace_bytes, as the liveness counts it), each as rewritten or,
+    with `max_chunks`, split into at most that many chunks."""
+    total = 0
+    for node in graph.find_nodes(op="call_function", target=loss_ops.FORWARD):
+        args = [a.meta.get("val", a.meta.get("example_value")) if isinstance(a, fx.Node) else a for a in node.args]
+        tokens = int(args[0].shape[0])
+        if max_chunks is not None:
+            chunks = min(math.ceil(tokens / args[5]), max_chunks)
+            args[5] = math.ceil(tokens / max(1, chunks))
+        total += loss_ops.workspace_bytes(loss_ops.FORWARD, tuple(args))
+    return total
+
+
 def chunked_heads_forward(gm: fx.GraphModule):
     """A Dynamo backend's result for `gm` with its loss heads chunked, run eagerly (tests, probes)."""
     chunked, heads = chunk_loss_heads(gm)

@@ -596,6 +596,35 @@ def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing(mo
     assert chose == {False, True}  # the budgets above exercise both outcomes
 
 
+def test_the_chosen_head_takes_fewer_chunks_where_its_plan_has_room_for_them(monkeypatch) -> None:
+    # Each chunk streams the head's weight again: where the chunked graph's plan leaves room under
+    # the budget for a larger chunk's logits, the head takes the fewest chunks that room holds
+    # (Rewrite.room_limits), on the same plan, its peak taken as that much higher.
+    _fixed_cpu_profile(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyLM(vocab=2048, hidden=256, depth=4, bias=True, upcast=False, reduction="mean", ignore_index=-100)
+    ids = torch.randint(0, 2048, (4, 128))
+    (head,) = find_loss_heads(_captured_graph(model, ids).graph)
+    assert head.chunks == 2  # the finest the head's shape asks for
+    whole_floor, keep_all = budget_range(model, ids, chunk_loss=False)
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(ids))
+    for budget in (whole_floor + (keep_all - whole_floor) // 20, whole_floor + (keep_all - whole_floor) // 5):
+        model.zero_grad(set_to_none=True)
+        torch.compiler.reset()
+        backend, compiled = compile_under(model, budget)
+        got = grads(params, lambda: compiled(ids))
+        (plan,) = backend.plans
+        assert "chunked into 1 " in plan.graph_rewrites[0] and "at most 1 chunk," in plan.graph_rewrites[0]
+        assert plan.rewrite_time_s == pytest.approx(dataclasses.replace(head, chunks=1).added_time_s(profile_for("cpu")))
+        for g, want in zip(got, eager):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+        model.zero_grad(set_to_none=True)
+        measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
+        assert measured.peak_bytes <= plan.predicted_peak_bytes + plan.reserve_bytes <= budget
+    torch.compiler.reset()
+
+
 @pytest.mark.inductor
 def test_under_inductor_the_rung_chosen_on_estimates_compiles_once_and_keeps_its_budget(monkeypatch, tmp_path) -> None:
     # As above, under Inductor: the graph as traced is stopped at its partitioner, the chunked one
