@@ -324,8 +324,9 @@ class _Region:
             # costs (the loss head), the graph as traced is not lowered before the rewritten
             # graph's plan is compared with its own (_rewritten_if_estimated_faster).
             cheapest = self._cheapest_rewrite_s(example_inputs) if not cautious else None
+            first_s = self._cheap_rewrite_s(example_inputs) if defer else None  # (again: a retry may follow a rewrite)
             try:
-                return compile_for(o, not defer, rewrite_first_s=rewrite_first_s, stop_above_s=cheapest)
+                return compile_for(o, not defer, rewrite_first_s=first_s, stop_above_s=cheapest)
             except _Planned as planned:
                 traced = planned
             self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
@@ -333,7 +334,7 @@ class _Region:
             if chosen is not traced:
                 return compile_for(o, planned=chosen.made)
             logs.rung("the graph as traced, compiled to the plan it was estimated with")
-            return compile_for(o, not defer, rewrite_first_s=rewrite_first_s, planned=traced.made)
+            return compile_for(o, not defer, rewrite_first_s=first_s, planned=traced.made)
 
         try:
             self._first = self._plan_for_position(position, outside, first_for)
