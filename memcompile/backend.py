@@ -401,13 +401,11 @@ class _Region:
         self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
         return variant
 
-    def _estimate_first_for(self, example_inputs: Sequence[Any], outside: int, search_least_peak: bool,
-                            rewrite_first_s: float | None = None) -> _Planned:
+    def _estimate_first_for(self, example_inputs: Sequence[Any], outside: int, search_least_peak: bool) -> _Planned:
         """The plan the first call's graph as rewritten so far would compile with (not cautious),
         beside `outside`, made without lowering it (_estimate)."""
         return self._estimate(outside, example_inputs, PlanRequest(
-            search_least_peak=search_least_peak, rewrite_first_s=rewrite_first_s,
-            defer_check=self.backend.options.codegen == "inductor"))
+            search_least_peak=search_least_peak, defer_check=self.backend.options.codegen == "inductor"))
 
     def _rewritten_if_estimated_faster(self, estimate: _Planned, example_inputs: Sequence[Any],
                                        outside: int) -> _Planned:
@@ -423,10 +421,9 @@ class _Region:
         1.05x in a run of `python benchmarks/pareto.py --models gpt2 --size small --threads 1`)."""
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
         for rewrite in [r for r in self._pending_rewrites() if r.when_faster]:
-            found = find_matches(self.rewrites.gm.graph, rewrite.pattern)
-            rewrite_s = sum(x.added_time_s(profile) for x in found)
+            rewrite_s = self._pending_cost_s(rewrite, example_inputs)
             added_s = estimate.plan.added_time_s
-            if not found or added_s <= rewrite_s:
+            if added_s <= rewrite_s:  # (pending: it matches)
                 continue
             saved = self._saved()
             self._apply(rewrite)
@@ -493,24 +490,26 @@ class _Region:
                                         min_feasible_bytes=refused.min_feasible_bytes,
                                         contributors=refused.contributors, whole_step=refused.whole_step)
 
+    def _pending_cost_s(self, rewrite: Rewrite, example_inputs: Sequence[Any]) -> float:
+        """What `rewrite`, not applied yet, is estimated to add to the step by itself."""
+        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
+        return sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, rewrite.pattern))
+
     def _cheap_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The estimated added time of the first pending rewrite where it is one also tried when a
         plan fits without it (the loss head: Rewrite.when_faster); None otherwise."""
         pending = self._pending_rewrites()
         if not pending or not pending[0].when_faster:
             return None
-        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
-        return sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, pending[0].pattern))
+        return self._pending_cost_s(pending[0], example_inputs)
 
     def _cheapest_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The least estimated added time of the pending rewrites also tried where a plan fits
         without them (Rewrite.when_faster), or None where there is none (or no joint graph)."""
         if not _needs_gradient(example_inputs):
             return None
-        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
-        costs = [sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, r.pattern))
-                 for r in self._pending_rewrites() if r.when_faster]
-        return min(costs, default=None)
+        return min((self._pending_cost_s(r, example_inputs) for r in self._pending_rewrites() if r.when_faster),
+                   default=None)
 
     def _finish_first(self, ladder_key: str | None, outside: int) -> None:
         if ladder_key is not None:
@@ -703,9 +702,9 @@ class _Region:
         """The plan a compile of the graph as rewritten so far would make, beside `outside`,
         made without lowering the graph: traced, partitioned and planned, its plan chosen on the
         model where the request defers the check to the compile's schedule (PlanRequest.defer_check).
-        Raises what planning raises (NoSolverPlanFits, InfeasibleBudgetError). What the
-        planning checked and solved is remembered in-process (the backend's check memo, the solver's
-        plan cache): the compile that follows does not check or solve the same again."""
+        Raises what planning raises (NoSolverPlanFits, InfeasibleBudgetError). Its `made` (a
+        PlannedGraph) compiles the same graph to that plan without searching again
+        (PlanRequest.planned)."""
         options, record = self._compile_setup(outside, self.rewrites.gm, example_inputs, request)
         record.stop_above_s = -math.inf
         try:
