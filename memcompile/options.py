@@ -87,6 +87,9 @@ class Experiments:
     # In planned graphs Inductor's wrapper reuses a freed buffer only for the next kernel's
     # allocation (_torch_private/inductor_hooks.py: the reuse rule).
     adjacent_reuse: bool = True  # MEMCOMPILE_ADJACENT_REUSE
+    # Values that play one part in each repeated block form a class the greedy plans move whole
+    # (passes/repeated_blocks.py); off: single values only.
+    repeated_blocks: bool = True  # MEMCOMPILE_REPEATED_BLOCKS
 
 
 _EXPERIMENT_VARIABLES = {f.name: f"MEMCOMPILE_{f.name.upper()}" for f in fields(Experiments)}

@@ -200,6 +200,8 @@ def status_words(status: str, gap: float) -> str:
         return (f"within the budget; the solver stopped at its time limit: a better plan could save at most "
                 f"{gap:.0%} of the time this one adds")
     if kind is StatusKind.FALLBACK:
+        if detail:
+            return f"within the budget by the greedy plan with recomputations kept back ({detail})"
         return "within the budget by the greedy plan (the solver found nothing better in its time)"
     if kind is StatusKind.LEAST_PEAK:
         return ("the least memory memcompile could plan: the budget is at or near the smallest that works, "

@@ -40,6 +40,7 @@ from memcompile.passes.liveness import (LivenessTimeline, analyze_liveness, anal
                                         with_held_at_backward_start)
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
+from memcompile.passes.repeated_blocks import with_repeated_blocks
 from memcompile.passes.stored_forms import StoreOptions
 from memcompile.plan import Choice, Decision, Plan, StatusKind, format_bytes, status_text
 from memcompile import plan_store
@@ -273,6 +274,8 @@ def _analyse(joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_
                                    fuse=model_fusion is not None)
     if model_fusion is not None and options.experiments.recompute_fusion:
         analysis = with_fused_recomputations(joint, analysis, num_fwd_outputs)
+    if options.experiments.repeated_blocks:
+        analysis = with_repeated_blocks(analysis)
     if options.boundary_bytes:
         analysis = dataclasses.replace(analysis, boundary_bytes=options.boundary_bytes,
                                        problem=with_fixed_bytes_at(analysis.problem, len(analysis.forward_nodes),

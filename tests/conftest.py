@@ -9,7 +9,8 @@ os.environ["MEMCOMPILE_PLAN_STORE"] = "0"
 # Tests run the product's models and rules: experiments a developer's shell turned off
 # (MEMCOMPILE_FUSION_CHECK=0...) are on again; a test turns one off through the options.
 for _variable in ("MEMCOMPILE_FUSION_CHECK", "MEMCOMPILE_RECOMPUTE_FUSION", "MEMCOMPILE_STOCK_CANDIDATES",
-                  "MEMCOMPILE_TIME_OPS", "MEMCOMPILE_LIFETIME_FUSION", "MEMCOMPILE_ADJACENT_REUSE"):
+                  "MEMCOMPILE_TIME_OPS", "MEMCOMPILE_LIFETIME_FUSION", "MEMCOMPILE_ADJACENT_REUSE",
+                  "MEMCOMPILE_REPEATED_BLOCKS"):
     os.environ.pop(_variable, None)
 
 torch.set_num_threads(2)

@@ -25,8 +25,8 @@ from memcompile._torch_private.cpu import (
     onednn_runs_cpu_matmuls_in)
 from memcompile._torch_private.dynamo import (
     EagerFrame, before_each_frame_conversion, compiling_frame_arguments, current_tracing_context,
-    graph_ends_at_graph_break, graph_input_ids, reentered_tracing_context, reset_dynamo, watch_dynamo_compiles,
-    watch_eager_frames)
+    autograd_sequence_number, graph_ends_at_graph_break, graph_input_ids, module_stack, reentered_tracing_context,
+    reset_dynamo, watch_dynamo_compiles, watch_eager_frames)
 from memcompile._torch_private.functorch import (
     PartitionerBase, aot_settings, classify_joint_nodes, compile_with_aot_eager, extract_forward_backward,
     inductor_decompositions, is_primal, is_sym_node, is_tangent, must_recompute_tag, node_nbytes,
@@ -60,8 +60,9 @@ __all__ = [
     "CompiledSchedule", "compile_with_inductor", "inductor_lowering_facts", "inductor_post_grad_copy",
     "inductor_schedule",
     # dynamo
-    "EagerFrame", "before_each_frame_conversion", "compiling_frame_arguments", "current_tracing_context",
-    "graph_ends_at_graph_break", "graph_input_ids", "reentered_tracing_context", "reset_dynamo",
+    "EagerFrame", "autograd_sequence_number", "before_each_frame_conversion", "compiling_frame_arguments",
+    "current_tracing_context", "graph_ends_at_graph_break", "graph_input_ids", "module_stack",
+    "reentered_tracing_context", "reset_dynamo",
     "watch_dynamo_compiles", "watch_eager_frames",
     # profiler
     "after_backward_returns", "call_when_backward_ends", "profiler_allocation_deltas", "profiler_mark",

@@ -84,6 +84,24 @@ def graph_ends_at_graph_break(gm: fx.GraphModule) -> bool:
     return bool(getattr(reason, "graph_break", False))
 
 
+def module_stack(node: fx.Node) -> tuple[str, ...]:
+    """The modules (and inlined functions) whose code made `node`, outermost first, as Dynamo
+    spells their paths ("L['self'].layers.3", "L['self'].layers.3.mlp"); empty where Dynamo
+    recorded none (backward nodes, decompositions added after the trace)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ()
+    return tuple(entry[0] for entry in stack.values()
+                 if isinstance(entry, tuple) and entry and isinstance(entry[0], str))
+
+
+def autograd_sequence_number(node: fx.Node) -> int | None:
+    """The autograd sequence number AOTAutograd recorded on a joint graph node: a backward node
+    carries that of the forward op it differentiates."""
+    seq = node.meta.get("seq_nr")
+    return seq if isinstance(seq, int) else None
+
+
 def graph_input_ids(gm: fx.GraphModule) -> frozenset[int]:
     """id() of the real tensors Dynamo lifted as this graph's inputs (parameters, buffers, the
     frame's tensors), as it recorded them at capture."""

@@ -99,6 +99,12 @@ class ActivationProblem:
     # copies beside recomputed ones measured above the check's peak), and the op's time is
     # charged once, to the first. Empty: -1 for all.
     same_op_as: tuple[int, ...] = ()
+    # Per candidate: the first candidate of its repeated-block class (itself for that one), -1
+    # where none: the same value in each of several identical blocks (a transformer's layers;
+    # passes/repeated_blocks.py). The greedy plan `tied` moves a class whole, so its moves follow
+    # the block, not the depth; no other answer is bound by the classes. Members agree on bans
+    # and store choices. Empty: -1 for all.
+    same_decision_as: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -120,6 +126,12 @@ class ActivationProblem:
                                        for i, g in enumerate(self.same_op_as))):
             raise ValueError("ActivationProblem.same_op_as needs one entry per candidate: -1, or the first "
                              "candidate of its group (itself for that one)")
+        if self.same_decision_as and (len(self.same_decision_as) != n or any(
+                not -1 <= g <= i or (g >= 0 and (self.same_decision_as[g] != g
+                                                 or self.decision_shape(g) != self.decision_shape(i)))
+                for i, g in enumerate(self.same_decision_as))):
+            raise ValueError("ActivationProblem.same_decision_as needs one entry per candidate: -1, or the first "
+                             "candidate of its class (itself for that one), whose bans and store choices it shares")
         if self.fused_when_recomputed and len(self.fused_when_recomputed) != n:
             raise ValueError(f"ActivationProblem.fused_when_recomputed has {len(self.fused_when_recomputed)} "
                              f"entries, expected {n}")
@@ -171,6 +183,25 @@ class ActivationProblem:
             if g >= 0:
                 groups.setdefault(g, []).append(j)
         return {g: tuple(members) for g, members in groups.items()}
+
+    def decision_shape(self, i: int) -> tuple:
+        """What members of one repeated-block class must share for one decision to suit each."""
+        return (self.can_keep[i], self.can_recompute[i], self.needed_by_backward(i), len(self.choices_of(i)),
+                tuple(is_lossy(ch) for ch in self.choices_of(i)), self.exact_required(i))
+
+    def decision_class(self, i: int) -> tuple[int, ...]:
+        """The candidates a class move of the greedy plan changes with i (i alone where no block repeats)."""
+        if not self.same_decision_as or self.same_decision_as[i] < 0:
+            return (i,)
+        return self._decision_classes[self.same_decision_as[i]]
+
+    @functools.cached_property
+    def _decision_classes(self) -> dict[int, tuple[int, ...]]:
+        classes: dict[int, list[int]] = {}
+        for j, g in enumerate(self.same_decision_as):
+            if g >= 0:
+                classes.setdefault(g, []).append(j)
+        return {g: tuple(members) for g, members in classes.items()}
 
     def reads_until_reader_ends(self, c: int, i: int) -> bool:
         """Whether recomputing c keeps i (which c reads) live until c's own last reader: c is a
@@ -448,13 +479,14 @@ def _bytes_freed_at(problem, i: int, move: tuple[str, int], t: int, start: list[
 def greedy_plan(
     problem: ActivationProblem, budget_bytes: int,
     start_from: tuple[frozenset[int], frozenset[int], Stored] | None = None, store_only: bool = False,
-    per_second: bool = True,
+    per_second: bool = True, tied: bool = False,
 ) -> tuple[frozenset[int], frozenset[int], Stored]:
     """Start from keeping everything (or from `start_from`); while the peak is over budget, change
     the kept tensor live at the peak step that frees the most bytes there per second of added
     time (or the most bytes, without `per_second`): recompute it, unless `store_only`, or store
-    it as one of its store choices. Always a consistent plan; returns the first under budget,
-    else the one with the least peak seen."""
+    it as one of its store choices. `tied`: a move changes the kept members of a repeated-block
+    class together (ActivationProblem.same_decision_as). Always a consistent plan; returns the
+    first under budget, else the one with the least peak seen."""
     prefer: set[int] = set(start_from[1]) if start_from else set()
     prefer_store: dict[int, int] = dict(start_from[2]) if start_from else {}
     plan = close_decisions(problem, prefer, prefer_store)
@@ -472,27 +504,34 @@ def greedy_plan(
         start, end = placed
         exact = exact_needed(problem, plan[1])
         moves = []
+        seen: set[int] = set()
         for i in plan[0]:
             if i in prefer or problem.nbytes[i] == 0:
                 continue
+            movers = tuple(j for j in problem.decision_class(i) if j in plan[0] and j not in prefer) if tied else (i,)
+            if movers[0] in seen:
+                continue
+            seen.add(movers[0])
             options = [("store", k) for k, choice in enumerate(problem.choices_of(i))
-                       if not (is_lossy(choice) and (i in exact or problem.exact_required(i)))]
+                       if not (is_lossy(choice) and any(j in exact or problem.exact_required(j) for j in movers))]
             if problem.can_recompute[i] and not store_only:
                 options.append((Choice.RECOMPUTE, -1))
             for move in options:
-                freed = _bytes_freed_at(problem, i, move, t, start, end)
-                cost = (group_cost[i] if move[0] == Choice.RECOMPUTE
-                        else problem.choices_of(i)[move[1]].time_cost_s + problem.choices_of(i)[move[1]].link_s)
+                freed = sum(_bytes_freed_at(problem, j, move, t, start, end) for j in movers)
+                cost = sum(group_cost[j] if move[0] == Choice.RECOMPUTE
+                           else problem.choices_of(j)[move[1]].time_cost_s + problem.choices_of(j)[move[1]].link_s
+                           for j in movers)
                 if freed > 0:
-                    moves.append((freed / (cost + 1e-9) if per_second else freed, -i, move, i))
+                    moves.append((freed / (cost + 1e-9) if per_second else freed, -movers[0], move, movers))
         if not moves:
             break
-        _, _, move, pick = max(moves)
-        if move[0] == Choice.RECOMPUTE:
-            prefer.add(pick)
-            prefer_store.pop(pick, None)
-        else:
-            prefer_store[pick] = move[1]
+        _, _, move, picked = max(moves)
+        for pick in picked:
+            if move[0] == Choice.RECOMPUTE:
+                prefer.add(pick)
+                prefer_store.pop(pick, None)
+            else:
+                prefer_store[pick] = move[1]
         plan = close_decisions(problem, prefer, prefer_store)
     return best_plan
 
@@ -729,22 +768,66 @@ def _add_hint(problem: ActivationProblem, built: _Model, hint) -> None:
         built.model.add_hint(built.end[i], hint_end[i])
 
 
+# CP-SAT searches for the fastest plan only on graphs of at most this many candidates. On a
+# 24-layer Llama (2,594-2,616 candidates) it ran to its 30 s limit: once without a plan better
+# than the greedy one, once to 545.24 ms added where the greedy plan kept back reached 542.59 ms
+# in 15 s; on the chunked graph the greedy plan kept back added 124.60 ms (the greedy plan
+# 137.28). On small graphs it proves the optimum.
+SEARCH_MAX_CANDIDATES = 1500
+# The status detail of a graph too large to search: its plan is the greedy one, kept back.
+NOT_SEARCHED = f"graphs of more than {SEARCH_MAX_CANDIDATES} candidates are not searched"
+# Share of the time limit that keeping back recomputations (`kept_back`) may take.
+KEEP_BACK_SHARE = 0.25
+
+
+def kept_back(problem: ActivationProblem, plan: tuple[frozenset[int], frozenset[int], Stored], budget_bytes: int,
+              time_limit_s: float) -> tuple[frozenset[int], frozenset[int], Stored]:
+    """`plan` with recomputations taken back where the modelled peak stays within the budget,
+    the most expensive per byte first, each change kept only where it saves time. The greedy
+    plan overshoots: at each move it recomputes what frees most per second at the peak of the
+    moment, and moves made early may not be needed once later ones are (a 24-layer Llama:
+    137.28 -> 124.60 ms added, 502 changes tried in 4.6 s). Stops after `time_limit_s`."""
+    began = time.perf_counter()
+    added = added_time_s(problem, plan[1], plan[2])
+    order = sorted((i for i in plan[1] if problem.can_keep[i] and problem.recompute_cost_s[i] > 0),
+                   key=lambda i: (-problem.recompute_cost_s[i] / max(1, problem.nbytes[i]), i))
+    for i in order:
+        if time.perf_counter() - began > time_limit_s:
+            break
+        if i not in plan[1]:
+            continue
+        trial = close_decisions(problem, set(plan[1]) - set(problem.op_group(i)), dict(plan[2]))
+        peak, trial_added = evaluate(problem, *trial)
+        if peak <= budget_bytes and trial_added < added:
+            plan, added = trial, trial_added
+    return plan
+
+
 def solve_activation_plan(
     problem: ActivationProblem, budget_bytes: int, *, time_limit_s: float = 10.0, workers: int = 2, seed: int = 0,
 ) -> ActivationSolution:
-    """Least added time with modelled peak <= budget; status INFEASIBLE when none exists."""
+    """Least added time with modelled peak <= budget; status INFEASIBLE when none exists.
+
+    The greedy plan (and, where blocks repeat, the greedy plan that moves a class whole), the
+    faster that fits with recomputations kept back; then, on graphs of at most
+    SEARCH_MAX_CANDIDATES, CP-SAT hinted with it."""
     began = time.perf_counter()
     if problem.fixed_bytes and max(problem.fixed_bytes) > budget_bytes:
         return ActivationSolution(frozenset(), frozenset(), NOTHING_STORED, max(problem.fixed_bytes), 0.0,
                                   StatusKind.INFEASIBLE, 0.0, 0.0)
     greedy = greedy_plan(problem, budget_bytes)
     greedy_peak, greedy_added = evaluate(problem, *greedy)
-    best = greedy if greedy_peak <= budget_bytes else None
+    plans = [greedy] + ([greedy_plan(problem, budget_bytes, tied=True)] if problem.same_decision_as else [])
+    fitting = [p for p in plans if evaluate(problem, *p)[0] <= budget_bytes]
+    best = None
+    if fitting:
+        best = kept_back(problem, min(fitting, key=lambda p: added_time_s(problem, p[1], p[2])), budget_bytes,
+                         KEEP_BACK_SHARE * time_limit_s)
     best_status, lower_s = StatusKind.FALLBACK, 0.0
     target = budget_bytes
     # CP-SAT may spread a recompute chain over earlier steps, which `evaluate` (the rewrite's
     # placement) does not: accept its answer only when `evaluate` agrees, else ask for less.
-    while time.perf_counter() - began < 0.9 * time_limit_s:
+    while len(problem.names) <= SEARCH_MAX_CANDIDATES and time.perf_counter() - began < 0.9 * time_limit_s:
         built = _build_model(problem, target)
         _add_hint(problem, built, best or greedy)
         remaining = time_limit_s - (time.perf_counter() - began)
@@ -757,11 +840,14 @@ def solve_activation_plan(
         chosen = _decisions_from(outcome, built)
         peak, added = evaluate(problem, *chosen)
         if peak <= budget_bytes:
+            proven = outcome.status == "optimal" and target == budget_bytes
+            if not proven:
+                chosen = kept_back(problem, chosen, budget_bytes, KEEP_BACK_SHARE * time_limit_s)
+                added = added_time_s(problem, chosen[1], chosen[2])
             if best is None or added <= evaluate(problem, *best)[1]:
                 best = chosen
             # The plan kept is no slower than CP-SAT's, so its proof covers it too (a greedy
             # plan that ties CP-SAT's optimum within the 10 ns time unit was called "fallback").
-            proven = outcome.status == "optimal" and target == budget_bytes
             best_status = StatusKind.OPTIMAL if proven else StatusKind.FEASIBLE
             lower_s = added if proven else max(0.0, outcome.lower_bound) * _TIME_UNIT_S
             break
@@ -769,16 +855,17 @@ def solve_activation_plan(
     if best is None:
         return ActivationSolution(*greedy, greedy_peak, greedy_added, StatusKind.INFEASIBLE, 0.0, time.perf_counter() - began)
     peak, added = evaluate(problem, *best)
-    return ActivationSolution(*best, peak, added, best_status, min(lower_s, added), time.perf_counter() - began)
+    status = (status_text(best_status, NOT_SEARCHED) if len(problem.names) > SEARCH_MAX_CANDIDATES
+              else str(best_status))
+    return ActivationSolution(*best, peak, added, status, min(lower_s, added), time.perf_counter() - began)
 
 
 MIN_PEAK_WALL_FACTOR = 10
 
-# CP-SAT searches for a lower peak than the heuristic plans only on graphs of at most this many
-# candidates. On a 24-layer Llama (2,616 candidates) each deterministic unit cost 80-200 s of
-# wall time (its cumulative propagation is not counted in that time) and lowered the greedy
-# plan's peak by 209 B of 875 MB; on small graphs it finds peaks the heuristics miss.
-MIN_PEAK_SEARCH_MAX_CANDIDATES = 1500
+# CP-SAT searches for a lower peak than the heuristic plans only on graphs of at most
+# SEARCH_MAX_CANDIDATES. On a 24-layer Llama (2,616 candidates) each deterministic unit cost
+# 80-200 s of wall time (its cumulative propagation is not counted in that time) and lowered the
+# greedy plan's peak by 209 B of 875 MB; on small graphs it finds peaks the heuristics miss.
 # A heuristic plan within this share of `peak_lower_bound` is not searched beyond: no plan can
 # save more (GPT style file, 24 layers: the greedy plan 1 KiB above the bound, which CP-SAT then
 # took 22 s to prove).
@@ -817,11 +904,18 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     enough for it, CP-SAT's own search, kept where it finds a lower peak."""
     began = time.perf_counter()
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    heuristic = [frugal, greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
+    heuristic = [frugal]
+    if problem.same_decision_as:
+        # Moving classes whole reaches lower peaks, and in a time that follows the block (24-layer
+        # Llama: 852.56 MB in 0.5 s per byte, where single moves reached 886.11 MB in 8.6 s
+        # per second and stalled at 1,110.45 MB per byte): single moves only on small graphs.
+        heuristic += [greedy_plan(problem, 0, tied=True), greedy_plan(problem, 0, per_second=False, tied=True)]
+    if not problem.same_decision_as or len(problem.names) <= SEARCH_MAX_CANDIDATES:
+        heuristic += [greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
     start = min(heuristic, key=lambda d: evaluate(problem, *d))
     best, (peak, added) = start, evaluate(problem, *start)
     found_by: str = StatusKind.FALLBACK  # (the status speaks of the peak, not of time)
-    if peak > peak_lower_bound(problem) * (1 + MIN_PEAK_BOUND_SLACK) and len(problem.names) <= MIN_PEAK_SEARCH_MAX_CANDIDATES:
+    if peak > peak_lower_bound(problem) * (1 + MIN_PEAK_BOUND_SLACK) and len(problem.names) <= SEARCH_MAX_CANDIDATES:
         built = _build_model(problem, None)
         # One worker and a deterministic-time limit: the smallest budget we report must be the
         # one a later compile at exactly that budget finds again. The wall-clock limit is only a
