@@ -904,14 +904,16 @@ def solve_min_peak(problem: ActivationProblem, *, time_limit_s: float = 10.0, wo
     enough for it, CP-SAT's own search, kept where it finds a lower peak."""
     began = time.perf_counter()
     frugal = close_decisions(problem, prefer_recompute=set(range(len(problem.names))))
-    heuristic = [frugal]
+    heuristic = [frugal, greedy_plan(problem, 0)]
     if problem.same_decision_as:
-        # Moving classes whole reaches lower peaks, and in a time that follows the block (24-layer
-        # Llama: 852.56 MB in 0.5 s per byte, where single moves reached 886.11 MB in 8.6 s
-        # per second and stalled at 1,110.45 MB per byte): single moves only on small graphs.
+        # Moving classes whole reaches peaks as low or lower in a time that follows the block
+        # (24-layer Llama, traced: 852.56 MB in 0.5 s per byte, where single moves reached 886.11
+        # MB in 8.6 s per second and stalled at 1,110.45 MB per byte; chunked: 816.02 MB both, but
+        # single moves per second at 281 ms added, class moves at 432): the single-move plan per
+        # second stays for its time at an equal peak, per byte only on small graphs.
         heuristic += [greedy_plan(problem, 0, tied=True), greedy_plan(problem, 0, per_second=False, tied=True)]
     if not problem.same_decision_as or len(problem.names) <= SEARCH_MAX_CANDIDATES:
-        heuristic += [greedy_plan(problem, 0), greedy_plan(problem, 0, per_second=False)]
+        heuristic.append(greedy_plan(problem, 0, per_second=False))
     start = min(heuristic, key=lambda d: evaluate(problem, *d))
     best, (peak, added) = start, evaluate(problem, *start)
     found_by: str = StatusKind.FALLBACK  # (the status speaks of the peak, not of time)
