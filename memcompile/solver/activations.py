@@ -178,11 +178,7 @@ class ActivationProblem:
     @functools.cached_property
     def _op_groups(self) -> dict[int, tuple[int, ...]]:
         # (computed once: the greedy plan asks for every kept candidate's group at every move)
-        groups: dict[int, list[int]] = {}
-        for j, g in enumerate(self.same_op_as):
-            if g >= 0:
-                groups.setdefault(g, []).append(j)
-        return {g: tuple(members) for g, members in groups.items()}
+        return _members_by_first(self.same_op_as)
 
     def decision_shape(self, i: int) -> tuple:
         """What members of one repeated-block class must share for one decision to suit each."""
@@ -197,11 +193,7 @@ class ActivationProblem:
 
     @functools.cached_property
     def _decision_classes(self) -> dict[int, tuple[int, ...]]:
-        classes: dict[int, list[int]] = {}
-        for j, g in enumerate(self.same_decision_as):
-            if g >= 0:
-                classes.setdefault(g, []).append(j)
-        return {g: tuple(members) for g, members in classes.items()}
+        return _members_by_first(self.same_decision_as)
 
     def reads_until_reader_ends(self, c: int, i: int) -> bool:
         """Whether recomputing c keeps i (which c reads) live until c's own last reader: c is a
@@ -224,6 +216,15 @@ class ActivationProblem:
 # Stored decisions: (candidate, index into its store_choices).
 Stored = frozenset[tuple[int, int]]
 NOTHING_STORED: Stored = frozenset()
+
+
+def _members_by_first(first_of: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """The members of each group named by its first member's index (-1: in none)."""
+    groups: dict[int, list[int]] = {}
+    for j, g in enumerate(first_of):
+        if g >= 0:
+            groups.setdefault(g, []).append(j)
+    return {g: tuple(members) for g, members in groups.items()}
 
 
 def with_fixed_bytes_at(problem: ActivationProblem, step: int, nbytes: int) -> ActivationProblem:
