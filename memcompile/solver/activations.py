@@ -171,9 +171,7 @@ class ActivationProblem:
 
     def op_group(self, i: int) -> tuple[int, ...]:
         """The candidates recomputed together with i (i alone unless a multi-result op made it)."""
-        if not self.same_op_as or self.same_op_as[i] < 0:
-            return (i,)
-        return self._op_groups[self.same_op_as[i]]
+        return _group_of(self.same_op_as, lambda: self._op_groups, i)
 
     @functools.cached_property
     def _op_groups(self) -> dict[int, tuple[int, ...]]:
@@ -187,9 +185,7 @@ class ActivationProblem:
 
     def decision_class(self, i: int) -> tuple[int, ...]:
         """The candidates a class move of the greedy plan changes with i (i alone where no block repeats)."""
-        if not self.same_decision_as or self.same_decision_as[i] < 0:
-            return (i,)
-        return self._decision_classes[self.same_decision_as[i]]
+        return _group_of(self.same_decision_as, lambda: self._decision_classes, i)
 
     @functools.cached_property
     def _decision_classes(self) -> dict[int, tuple[int, ...]]:
@@ -216,6 +212,13 @@ class ActivationProblem:
 # Stored decisions: (candidate, index into its store_choices).
 Stored = frozenset[tuple[int, int]]
 NOTHING_STORED: Stored = frozenset()
+
+
+def _group_of(first_of: tuple[int, ...], groups, i: int) -> tuple[int, ...]:
+    """i's group (i alone where `first_of` names none); `groups()` is read only when it does."""
+    if not first_of or first_of[i] < 0:
+        return (i,)
+    return groups()[first_of[i]]
 
 
 def _members_by_first(first_of: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
