@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -25,7 +25,7 @@ from memcompile.cost_models.cuda_allocator import EXACT, allocator_rounding_for
 from memcompile.cost_models.device import DeviceProfile, blas_workspace_bytes, compile_scratch_bytes
 from memcompile.cost_models.op_timing import timing_allocation_limit
 from memcompile.passes.graph_facts import step_device
-from memcompile.passes.chunking import find_matches
+from memcompile.passes.chunking import coarsened, find_matches
 from memcompile.passes.loss_head import LossHead, with_logits_gradients
 from memcompile import plan_store
 from memcompile.plan_dump import write_dump_dir
@@ -36,11 +36,12 @@ from memcompile.ledger import Footprint, InputBytes, StepLedger, footprint_of, i
 from memcompile.options import Options, with_resolved_budget
 from memcompile.plan import Plan, TextEnum, format_bytes, with_input_names
 from memcompile.plan_cache import source_hash
+from memcompile.solver.activations import ActivationSolution
 from memcompile.region_rewrites import (Rewrite, RewriteState, apply_rewrite, initial_rewrites, pending_rewrites,
                                         rewrite_named)
-from memcompile.planner import (NoSolverPlanFits, PlannedGraph, PlanRequest, Replanner, confirm_on_compile,
+from memcompile.planner import (DeferredReplanner, NoSolverPlanFits, PlannedGraph, PlanRequest, Replanner, confirm_on_compile,
                                 cost_profile, held_bytes, inductor_rules_for, plan_joint_graph, planning_environment,
-                                predicted_inference_peak)
+                                planned_with, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 from memcompile.step_plan import NoStepPlan, StepBudget, choose_step_plan, no_step_plan_error, step_positions
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
@@ -74,10 +75,11 @@ class _Planned(Exception):
     """A graph's plan, made and not compiled (_CompileRecord.stop_above_s); `made`, where the
     planning can say, is what compiles the same graph to it without searching again."""
 
-    def __init__(self, plan: Plan, made: PlannedGraph | None) -> None:
+    def __init__(self, plan: Plan, made: PlannedGraph | None, replanner: Replanner | None = None) -> None:
         super().__init__(f"memcompile: planned {plan.graph_id} only, to compare")
         self.plan = plan
         self.made = made
+        self.replanner = replanner  # plans the same graph again (None: none was made)
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -118,7 +120,10 @@ class Partitioner(tp.PartitionerBase):
         if record is not None and len(record.input_names) == primals:  # primals_N: the N-th graph input
             plan = dataclasses.replace(plan, peak_tensors=with_input_names(plan.peak_tensors, record.input_names))
         if record is not None and record.stop_above_s is not None and plan.added_time_s > record.stop_above_s:
-            raise _Planned(plan, record.request.made if record.request is not None else None)
+            request = record.request
+            replanner = request.replanner if request is not None else None
+            raise _Planned(plan, request.made if request is not None else None,
+                           replanner.made if isinstance(replanner, DeferredReplanner) else replanner)
         if record is not None:
             record.plan = plan
             record.inputs = inputs
@@ -438,8 +443,8 @@ class _Region:
                 limit = self.rewrites.chunk_limits.get(rewrite.kind)
                 reason = (f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
                           f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation"
-                          + (f"; at most {limit} chunk{'s' if limit > 1 else ''}, whose larger working set "
-                             "its plan has room for"
+                          + (f"; at most {limit} chunk{'s' if limit > 1 else ''}: the count estimated fastest "
+                             "with its plan, which holds the larger working set"
                              if limit is not None else ""))
                 self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
                 log.debug("memcompile: chunking %s (%s): %s", rewrite.what, reason,
@@ -452,33 +457,62 @@ class _Region:
 
     def _coarsened_in_room(self, rewrite: Rewrite, before: _Saved, rewritten: _Planned, rewrite_s: float,
                            profile: DeviceProfile) -> tuple[_Planned, float]:
-        """The rewrite in fewer chunks (Rewrite.room_limits, fewest first) where the plan of the
-        graph as rewritten has room under its budget for their larger working set: the plan is
-        kept (the same candidates, decided alike) and its peak taken as at most that much higher;
-        the compile checks it where the estimate deferred its check. Returns the estimate with its
-        peak so raised, and the rewrite's cost at that limit; `rewritten` and `rewrite_s` where
-        no limit fits (or the rewrite has none)."""
+        """The rewrite in fewer chunks (Rewrite.room_limits) where that is estimated faster: each
+        chunk of a loss head streams its weight again, a coarser one holds a larger working set.
+        Where the plan of the graph as rewritten has room under its budget for that growth, the
+        plan is kept (the same candidates, decided alike) and its peak taken as that much higher;
+        where it has not, the plan recomputed further to make the room (Replanner.
+        fit_with_workspace, a few greedy moves from it), taken where its added time and the
+        coarser rewrite's together are less. The compile checks the plan where the estimate
+        deferred its check. Returns the estimate so changed and the rewrite's cost at its limit;
+        `rewritten` and `rewrite_s` where no limit is faster (or the rewrite has none)."""
         plan, made = rewritten.plan, rewritten.made
-        room = plan.step_budget_bytes - plan.predicted_peak_bytes
-        if rewrite.workspace_bytes is None or made is None or room <= 0:
+        if rewrite.workspace_bytes is None or made is None:
             return rewritten, rewrite_s
+        room = plan.step_budget_bytes - plan.predicted_peak_bytes
         graph = self.rewrites.gm.graph
         held = rewrite.workspace_bytes(graph, None)
-        finest = max(m.chunks for m in self.rewrites.matches(rewrite.kind))
-        for limit in rewrite.room_limits:
-            if limit >= finest:
-                break
+        matches = self.rewrites.matches(rewrite.kind)
+        finest = max(m.chunks for m in matches)
+        replanner = rewritten.replanner
+        # recomputing more needs the solver's plan, and a compile that checks it on its schedule
+        start = made.solution if (isinstance(made.solution, ActivationSolution) and made.deferred is not None
+                                  and replanner is not None and rewrite.workspace_op is not None) else None
+        best: tuple[float, int | None, _Planned, float, int] = (plan.added_time_s + rewrite_s, None, rewritten,
+                                                                 rewrite_s, 0)
+        for limit in sorted((x for x in rewrite.room_limits if x < finest), reverse=True):  # more chunks first
             grown = rewrite.workspace_bytes(graph, limit) - held
-            if grown > room:
-                continue
-            self._restore(before)
-            self._apply(rewrite, limit)
-            logs.rung(f"{rewrite.what} in at most {limit} chunk{'s' if limit > 1 else ''} (its plan has room for "
-                      f"{format_bytes(grown)} more working set)")
-            raised = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + grown)
-            return (_Planned(raised, dataclasses.replace(made, plan=raised)),
-                    sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind)))
-        return rewritten, rewrite_s
+            cost = sum(x.added_time_s(profile) for x in coarsened(matches, limit))
+            if grown <= room:
+                raised = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + grown)
+                candidate = _Planned(raised, dataclasses.replace(made, plan=raised), replanner)
+            elif start is None or plan.added_time_s + cost >= best[0]:
+                break  # coarser limits grow more and save less than their cost beyond this one
+            else:
+                attempt = replanner.fit_with_workspace(plan.step_budget_bytes, rewrite.workspace_op, grown, start,
+                                                       self.backend.options.time_limit_s)
+                if attempt is None:
+                    break
+                start = cast(ActivationSolution, attempt.solution)
+                again = planned_with(made, replanner, attempt, grown)
+                candidate = _Planned(again.plan, again, replanner)
+            total = candidate.plan.added_time_s + cost
+            log.debug("memcompile: %s in at most %d chunks: %s more working set, plan %.2f ms + rewrite %.2f ms",
+                      rewrite.what, limit, format_bytes(grown), candidate.plan.added_time_s * 1e3, cost * 1e3)
+            if total >= best[0]:
+                break  # (the cost falls, the plan's time grows: past the least total)
+            best = (total, limit, candidate, cost, grown)
+        _, limit, chosen, cost, grown = best
+        if limit is None:
+            return rewritten, rewrite_s
+        self._restore(before)
+        self._apply(rewrite, limit)
+        recomputed = chosen.plan.added_time_s - plan.added_time_s
+        logs.rung(f"{rewrite.what} in at most {limit} chunk{'s' if limit > 1 else ''} ("
+                  + (f"its plan recomputes {recomputed * 1e3:.2f} ms more" if chosen.made is not None
+                     and chosen.made.solution is not made.solution else "its plan has room")
+                  + f" for {format_bytes(grown)} more working set)")
+        return chosen, cost
 
     def _raise_if_refused_before(self, refused_key: str) -> None:
         """Raise what an earlier launch's ladder for this graph ended with, where no graph of it fitted."""

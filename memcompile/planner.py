@@ -53,7 +53,9 @@ from memcompile.solver.activations import (
     ActivationSolution,
     close_decisions,
     evaluate,
+    KEEP_BACK_SHARE,
     greedy_plan,
+    recomputed_further,
     solve_activation_plan,
     solve_min_peak,
     step_loads,
@@ -1212,6 +1214,20 @@ class DeferredCheck:
     is_default_partition: bool = True
 
 
+def planned_with(made: PlannedGraph, replanner: "Replanner", attempt: _Attempt, extra_bytes: int) -> PlannedGraph:
+    """`made` with `attempt`'s decisions instead (Replanner.fit_with_workspace: the same graph,
+    an op's working set `extra_bytes` larger): the plan's decisions, time and liveness from the
+    attempt, its peak raised by the extra bytes; the compile's schedule checks it as it would
+    have checked `made` (its deferred check)."""
+    solution = attempt.solution
+    plan = _with_timeline(made.plan, attempt.timeline, as_before=False)
+    plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + extra_bytes,
+                               decisions=_decisions(replanner.analysis, solution), added_time_s=solution.added_time_s,
+                               solver_status=solution.status, gap=solution.gap,
+                               solve_s=made.plan.solve_s + solution.solve_s)
+    return dataclasses.replace(made, plan=plan, solution=solution)
+
+
 def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> Plan | None:
     """`plan` with the liveness of the schedules its compile built (tp.compile_with_inductor's
     `schedules`), where that peak is within the budget; None where it is not, or where the
@@ -1265,6 +1281,8 @@ def held_bytes(problem, solution: ActivationSolution | StockSolution) -> int:
         problem.choices_of(i)[k].stored_bytes for i, k in solution.stored)
 
 
+# The status detail of a plan recomputed further from a graph's plan (Replanner.fit_with_workspace)
+RECOMPUTED_FURTHER = "recomputed further from the graph's plan, for a larger working set of an op"
 _DEFER_MARGIN = 0.02  # room a plan is deferred with where its graph-order estimate is not a bound
 # room under the budget a solver plan's model peak leaves where its check is left to the compile
 # (Replanner._fit_on_model): above the model's largest under-count we saw (1.7%)
@@ -1441,6 +1459,42 @@ class Replanner:
             return None, solution.solve_s
         # the plan record's peak until the compile's schedule replaces it: the graph-order count
         return _Attempt(solution, fw, bw, count, checked=False), solution.solve_s
+
+    def fit_with_workspace(self, budget: int, op: object, extra_bytes: int, start: ActivationSolution,
+                           time_limit_s: float) -> _Attempt | None:
+        """The plan of this graph where each call of `op` holds `extra_bytes` more while it runs
+        (the loss head in fewer chunks), on the calibrated model at _DEFER_MODEL_MARGIN under
+        `budget`, from `start` (this graph's plan): recomputed further and kept back
+        (`recomputed_further`); unchecked, as _fit_on_model, its graph-order count raised by the
+        extra bytes. None where `op` is not in the graph or an estimate is over that target."""
+        began = time.perf_counter()
+        steps = [t for t, n in enumerate(self.analysis.forward_nodes + self.analysis.backward_nodes)
+                 if n.op == "call_function" and n.target is op]
+        if not steps:
+            return None
+        problem = self.analysis.problem
+        for t in steps:
+            problem = with_fixed_bytes_at(problem, t, extra_bytes, by_node=True)
+        target = int(budget * (1 - _DEFER_MODEL_MARGIN))
+        plan = recomputed_further(problem, (start.keep, start.recompute, start.stored), target,
+                                  KEEP_BACK_SHARE * time_limit_s)
+        if plan is None:
+            return None
+        peak, added = evaluate(problem, *plan)
+        solution = ActivationSolution(*plan, peak, added, status_text(StatusKind.FALLBACK, RECOMPUTED_FURTHER), 0.0,
+                                      time.perf_counter() - began)
+        fw, bw = apply_plan(self.joint, self.analysis, solution.keep, solution.recompute, self.num_fwd_outputs,
+                            solution.stored)
+        if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
+            return None
+        count = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                   self.analysis.boundary_bytes)
+        scaled = count.peak_bytes * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all())
+        log.debug("with %d bytes more at %s: model peak %d, added %.2f ms, graph-order count %d, scaled %d "
+                  "(target %d)", extra_bytes, op, peak, added * 1e3, count.peak_bytes, scaled, target)
+        if scaled + extra_bytes > target:
+            return None
+        return _Attempt(solution, fw, bw, count, checked=False)
 
     def _count_of_keep_all(self) -> int:
         if self._keep_all_count is None:

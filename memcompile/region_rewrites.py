@@ -15,6 +15,7 @@ from typing import Callable, Mapping, cast
 
 from torch import fx
 
+from memcompile import loss_ops
 from memcompile.cost_models.device import DeviceProfile
 from memcompile.options import Options
 from memcompile.passes.chunking import ChunkMatch, ChunkPattern, apply_chunking, find_matches
@@ -50,6 +51,9 @@ class Rewrite:
     # loss head streams its weight again (16 chunks of the 24-layer Llama's head: ~6% of the step).
     room_limits: tuple[int, ...] = ()
     workspace_bytes: Callable[[fx.Graph, int | None], int] | None = None
+    # The op whose working set a coarser limit enlarges: where the plan has no room for it, the
+    # plan recomputing more to make it is weighed (Replanner.fit_with_workspace).
+    workspace_op: object = None
 
     def is_auto(self, options: Options) -> bool:
         return self.setting(options) == "auto"
@@ -57,7 +61,8 @@ class Rewrite:
 
 # In the order "auto" tries them where no plan fits: the loss head first (cheap to chunk).
 REWRITES = (Rewrite(RewriteKind.LOSS_HEAD, "the loss head", lambda options: options.chunk_loss, LOSS_HEAD,
-                    room_limits=(1, 2, 4, 8), workspace_bytes=chunked_heads_workspace_bytes),
+                    room_limits=(1, 2, 4, 8), workspace_bytes=chunked_heads_workspace_bytes,
+                    workspace_op=loss_ops.FORWARD),
             Rewrite(RewriteKind.MLPS, "the MLPs", lambda options: options.chunk_mlp, MLP,
                     when_faster=False, coarse_first=(2,)))
 

@@ -35,6 +35,11 @@ class ChunkMatch(Protocol):
 Match = TypeVar("Match", bound=ChunkMatch)
 
 
+def coarsened(matches: tuple[Match, ...], max_chunks: int) -> tuple[Match, ...]:
+    """The matches as `apply_chunking` splits them into at most `max_chunks` chunks."""
+    return tuple(dataclasses.replace(m, chunks=max(1, min(m.chunks, max_chunks))) for m in matches)  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
 class GraphBoundary:
     """A graph's placeholders by position, and its output node's values (None: not a flat tuple)."""
@@ -100,7 +105,7 @@ def apply_chunking(gm: fx.GraphModule, pattern: ChunkPattern[Match],
     Returns `gm` itself and () when nothing matches."""
     matches = find_matches(gm.graph, pattern)
     if max_chunks is not None:
-        matches = tuple(dataclasses.replace(m, chunks=max(1, min(m.chunks, max_chunks))) for m in matches)
+        matches = coarsened(matches, max_chunks)
     if not matches:
         return gm, ()
     if pattern.prepare is not None:

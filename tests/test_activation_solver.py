@@ -16,8 +16,11 @@ from memcompile.solver.activations import (
     MIN_PEAK_BOUND_SLACK,
     is_consistent,
     peak_lower_bound,
+    recomputed_further,
     solve_activation_plan,
     solve_min_peak,
+    step_loads,
+    with_fixed_bytes_at,
 )
 
 
@@ -198,3 +201,40 @@ def test_results_of_one_op_are_recomputed_together():
     assert is_consistent(problem, result.keep, result.recompute)
     with pytest.raises(ValueError, match="same_op_as"):
         dataclasses.replace(problem, same_op_as=(-1, 2, 2))  # the first of a group names itself
+
+
+@FAST
+@given(problems(max_candidates=8), st.data())
+def test_a_nodes_own_working_set_is_seen_at_its_step_only(problem, data):
+    # A larger working set of one node (a loss head in fewer chunks) is held while it runs: its
+    # step's fixed bytes grow, the bytes recomputations placed before it see do not.
+    step = data.draw(st.integers(0, problem.num_steps - 1))
+    extra = data.draw(st.integers(1, 2000))
+    grown = with_fixed_bytes_at(problem, step, extra, by_node=True)
+    assert grown.fixed_bytes[step] == problem.fixed_bytes[step] + extra
+    assert grown.before_node_bytes == problem.before_node_bytes
+    assert [f for t, f in enumerate(grown.fixed_bytes) if t != step] == \
+        [f for t, f in enumerate(problem.fixed_bytes) if t != step]
+    for plan in _all_consistent_plans(problem):
+        loads, grown_loads = step_loads(problem, *plan), step_loads(grown, *plan)
+        assert max(loads[step], grown.fixed_bytes[step]) <= grown_loads[step] <= loads[step] + extra
+        assert all(a == b for t, (a, b) in enumerate(zip(loads, grown_loads)) if t != step)
+
+
+@FAST
+@given(problems(max_candidates=8), st.floats(0.0, 1.0), st.data())
+def test_recomputing_further_from_a_plan_fits_the_grown_problem(problem, fraction, data):
+    # From a plan of the problem, a few greedy moves and recomputations kept back: a plan of the
+    # grown problem within the budget wherever the greedy plan from keeping everything finds one.
+    budget, feasible = brute_force(problem, fraction)
+    if not feasible:
+        return
+    start = solve_activation_plan(problem, budget, time_limit_s=5)
+    step = data.draw(st.integers(0, problem.num_steps - 1))
+    grown = with_fixed_bytes_at(problem, step, data.draw(st.integers(1, 1500)), by_node=True)
+    further = recomputed_further(grown, start.decisions, budget, time_limit_s=5)
+    if further is None:
+        assert evaluate(grown, *greedy_plan(grown, budget, start_from=start.decisions))[0] > budget
+        return
+    assert is_consistent(grown, *further)
+    assert evaluate(grown, *further)[0] <= budget
