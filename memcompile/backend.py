@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -476,8 +476,11 @@ class _Region:
         finest = max(m.chunks for m in matches)
         replanner = rewritten.replanner
         # recomputing more needs the solver's plan, and a compile that checks it on its schedule
-        start = made.solution if (isinstance(made.solution, ActivationSolution) and made.deferred is not None
+        checks_schedule = made.deferred is not None or (self.backend.options.codegen == "inductor"
+                                                        and not self.backend.plan_only)
+        start = made.solution if (isinstance(made.solution, ActivationSolution) and checks_schedule
                                   and replanner is not None and rewrite.workspace_op is not None) else None
+        start_checked_peak = plan.predicted_peak_bytes if made.deferred is None else None
         best: tuple[float, int | None, _Planned, float, int] = (plan.added_time_s + rewrite_s, None, rewritten,
                                                                  rewrite_s, 0)
         for limit in sorted((x for x in rewrite.room_limits if x < finest), reverse=True):  # more chunks first
@@ -490,10 +493,9 @@ class _Region:
                 break  # coarser limits grow more and save less than their cost beyond this one
             else:
                 attempt = replanner.fit_with_workspace(plan.step_budget_bytes, rewrite.workspace_op, grown, start,
-                                                       self.backend.options.time_limit_s)
+                                                       start_checked_peak, self.backend.options.time_limit_s)
                 if attempt is None:
                     break
-                start = cast(ActivationSolution, attempt.solution)
                 again = planned_with(made, replanner, attempt, grown)
                 candidate = _Planned(again.plan, again, replanner)
             total = candidate.plan.added_time_s + cost

@@ -1217,15 +1217,16 @@ class DeferredCheck:
 def planned_with(made: PlannedGraph, replanner: "Replanner", attempt: _Attempt, extra_bytes: int) -> PlannedGraph:
     """`made` with `attempt`'s decisions instead (Replanner.fit_with_workspace: the same graph,
     an op's working set `extra_bytes` larger): the plan's decisions, time and liveness from the
-    attempt, its peak raised by the extra bytes; the compile's schedule checks it as it would
-    have checked `made` (its deferred check)."""
+    attempt, its peak raised by the extra bytes; the compile's schedule checks it (as it would
+    have checked `made`, or as a deferred plan of this graph where `made` was checked)."""
     solution = attempt.solution
+    deferred = made.deferred if made.deferred is not None else replanner.deferred_check()
     plan = _with_timeline(made.plan, attempt.timeline, as_before=False)
     plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + extra_bytes,
                                decisions=_decisions(replanner.analysis, solution), added_time_s=solution.added_time_s,
                                solver_status=solution.status, gap=solution.gap,
                                solve_s=made.plan.solve_s + solution.solve_s)
-    return dataclasses.replace(made, plan=plan, solution=solution)
+    return dataclasses.replace(made, plan=plan, solution=solution, deferred=deferred)
 
 
 def confirm_on_compile(deferred: DeferredCheck, schedules: list, plan: Plan) -> Plan | None:
@@ -1461,12 +1462,16 @@ class Replanner:
         return _Attempt(solution, fw, bw, count, checked=False), solution.solve_s
 
     def fit_with_workspace(self, budget: int, op: object, extra_bytes: int, start: ActivationSolution,
-                           time_limit_s: float) -> _Attempt | None:
+                           start_checked_peak: int | None, time_limit_s: float) -> _Attempt | None:
         """The plan of this graph where each call of `op` holds `extra_bytes` more while it runs
-        (the loss head in fewer chunks), on the calibrated model at _DEFER_MODEL_MARGIN under
-        `budget`, from `start` (this graph's plan): recomputed further and kept back
-        (`recomputed_further`); unchecked, as _fit_on_model, its graph-order count raised by the
-        extra bytes. None where `op` is not in the graph or an estimate is over that target."""
+        (the loss head in fewer chunks), from `start` (this graph's plan): recomputed further and
+        kept back (`recomputed_further`) on the calibrated model, unchecked: the compile's
+        schedule checks it. The model's target is _DEFER_MODEL_MARGIN under `budget`, or the
+        start's own model peak where its check (`start_checked_peak`) put it within the budget
+        above that. Screened as _fit_on_model screens a plan: its graph-order count, scaled as
+        the start's check scaled the start's count (keep-all's for an unchecked start), plus the
+        extra bytes, within that target (the budget for a checked start). None where `op` is not
+        in the graph or a screen is over."""
         began = time.perf_counter()
         steps = [t for t, n in enumerate(self.analysis.forward_nodes + self.analysis.backward_nodes)
                  if n.op == "call_function" and n.target is op]
@@ -1476,6 +1481,8 @@ class Replanner:
         for t in steps:
             problem = with_fixed_bytes_at(problem, t, extra_bytes, by_node=True)
         target = int(budget * (1 - _DEFER_MODEL_MARGIN))
+        if start_checked_peak is not None:
+            target = max(target, min(start.model_peak_bytes, budget))
         plan = recomputed_further(problem, (start.keep, start.recompute, start.stored), target,
                                   KEEP_BACK_SHARE * time_limit_s)
         if plan is None:
@@ -1487,14 +1494,30 @@ class Replanner:
                             solution.stored)
         if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
             return None
-        count = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
-                                   self.analysis.boundary_bytes)
-        scaled = count.peak_bytes * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all())
-        log.debug("with %d bytes more at %s: model peak %d, added %.2f ms, graph-order count %d, scaled %d "
-                  "(target %d)", extra_bytes, op, peak, added * 1e3, count.peak_bytes, scaled, target)
-        if scaled + extra_bytes > target:
+        count = self._count_of(fw, bw)
+        if start_checked_peak is None:
+            scaled, limit = count * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all()), target
+        else:
+            start_fw, start_bw = apply_plan(self.joint, self.analysis, start.keep, start.recompute,
+                                            self.num_fwd_outputs, start.stored)
+            scaled, limit = count * start_checked_peak // max(1, self._count_of(start_fw, start_bw)), budget
+        log.debug("with %d bytes more at %s: model peak %d (target %d), added %.2f ms, graph-order count %d, "
+                  "scaled %d", extra_bytes, op, peak, target, added * 1e3, count, scaled)
+        if scaled + extra_bytes > limit:
             return None
-        return _Attempt(solution, fw, bw, count, checked=False)
+        timeline = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                      self.analysis.boundary_bytes)
+        return _Attempt(solution, fw, bw, timeline, checked=False)
+
+    def _count_of(self, fw: fx.GraphModule, bw: fx.GraphModule) -> int:
+        return _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                  self.analysis.boundary_bytes).peak_bytes
+
+    def deferred_check(self) -> "DeferredCheck":
+        """The check the compile's schedule makes of a plan of this graph chosen unchecked."""
+        return DeferredCheck(self.num_fwd_outputs, self.options.allocator_rounding, self.analysis.boundary_bytes,
+                             self.options.step_budget_bytes, adjacent_reuse=inductor_rules_for(self.options).adjacent_reuse,
+                             is_default_partition=False)
 
     def _count_of_keep_all(self) -> int:
         if self._keep_all_count is None:

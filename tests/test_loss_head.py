@@ -648,9 +648,9 @@ def test_the_chosen_head_takes_fewer_chunks_where_recomputing_more_for_them_pays
     starts: list = []
     original = planner.Replanner.fit_with_workspace
 
-    def recording(self, budget, op, extra_bytes, start, time_limit_s):
+    def recording(self, budget, op, extra_bytes, start, start_checked_peak, time_limit_s):
         starts.append(start)
-        return original(self, budget, op, extra_bytes, start, time_limit_s)
+        return original(self, budget, op, extra_bytes, start, start_checked_peak, time_limit_s)
 
     monkeypatch.setattr(planner.Replanner, "fit_with_workspace", recording)
     budget = whole_floor + (keep_all - whole_floor) * 3 // 10
