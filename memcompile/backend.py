@@ -496,7 +496,7 @@ class _Region:
                                                        start_checked_peak, self.backend.options.time_limit_s)
                 if attempt is None:
                     break
-                again = planned_with(made, replanner, attempt, grown)
+                again = planned_with(made, replanner, attempt)
                 candidate = _Planned(again.plan, again, replanner)
             total = candidate.plan.added_time_s + cost
             log.debug("memcompile: %s in at most %d chunks: %s more working set, plan %.2f ms + rewrite %.2f ms",

@@ -37,7 +37,7 @@ from memcompile.node_facts import is_aliasing_op, tensor_nbytes
 from memcompile.passes.graph_facts import is_random_op, step_device
 from memcompile.passes.tied_gradients import accumulate_tied_embedding_gradients
 from memcompile.passes.liveness import (LivenessTimeline, analyze_liveness, analyze_scheduled_liveness,
-                                        with_held_at_backward_start)
+                                        with_held_at_backward_start, with_scratch_at)
 from memcompile.passes.partition import apply_plan
 from memcompile.passes.recompute_fusion import with_fused_recomputations
 from memcompile.passes.repeated_blocks import with_repeated_blocks
@@ -1214,16 +1214,15 @@ class DeferredCheck:
     is_default_partition: bool = True
 
 
-def planned_with(made: PlannedGraph, replanner: "Replanner", attempt: _Attempt, extra_bytes: int) -> PlannedGraph:
+def planned_with(made: PlannedGraph, replanner: "Replanner", attempt: _Attempt) -> PlannedGraph:
     """`made` with `attempt`'s decisions instead (Replanner.fit_with_workspace: the same graph,
-    an op's working set `extra_bytes` larger): the plan's decisions, time and liveness from the
-    attempt, its peak raised by the extra bytes; the compile's schedule checks it (as it would
+    an op's working set larger): the plan's decisions, time and liveness (its count, the op's
+    working set grown) from the attempt; the compile's schedule checks it (as it would
     have checked `made`, or as a deferred plan of this graph where `made` was checked)."""
     solution = attempt.solution
     deferred = made.deferred if made.deferred is not None else replanner.deferred_check()
     plan = _with_timeline(made.plan, attempt.timeline, as_before=False)
-    plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + extra_bytes,
-                               decisions=_decisions(replanner.analysis, solution), added_time_s=solution.added_time_s,
+    plan = dataclasses.replace(plan, decisions=_decisions(replanner.analysis, solution), added_time_s=solution.added_time_s,
                                solver_status=solution.status, gap=solution.gap,
                                solve_s=made.plan.solve_s + solution.solve_s)
     return dataclasses.replace(made, plan=plan, solution=solution, deferred=deferred)
@@ -1494,24 +1493,27 @@ class Replanner:
                             solution.stored)
         if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
             return None
-        count = self._count_of(fw, bw)
+        # the count with the op's working set grown where it runs
+        timeline = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                      self.analysis.boundary_bytes)
+        runs = {n.name for n in fw.graph.nodes if n.op == "call_function" and n.target is op}
+        for index, step in enumerate(timeline.steps):
+            if step.phase == "forward" and step.node in runs:
+                timeline = with_scratch_at(timeline, index, extra_bytes)
         if start_checked_peak is None:
-            scaled, limit = count * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all()), target
+            scaled = timeline.peak_bytes * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all())
+            limit = target
         else:
             start_fw, start_bw = apply_plan(self.joint, self.analysis, start.keep, start.recompute,
                                             self.num_fwd_outputs, start.stored)
-            scaled, limit = count * start_checked_peak // max(1, self._count_of(start_fw, start_bw)), budget
+            start_count = _graph_order_count(start_fw, start_bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                             self.analysis.boundary_bytes).peak_bytes
+            scaled, limit = timeline.peak_bytes * start_checked_peak // max(1, start_count), budget
         log.debug("with %d bytes more at %s: model peak %d (target %d), added %.2f ms, graph-order count %d, "
-                  "scaled %d", extra_bytes, op, peak, target, added * 1e3, count, scaled)
-        if scaled + extra_bytes > limit:
+                  "scaled %d", extra_bytes, op, peak, target, added * 1e3, timeline.peak_bytes, scaled)
+        if scaled > limit:
             return None
-        timeline = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
-                                      self.analysis.boundary_bytes)
         return _Attempt(solution, fw, bw, timeline, checked=False)
-
-    def _count_of(self, fw: fx.GraphModule, bw: fx.GraphModule) -> int:
-        return _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
-                                  self.analysis.boundary_bytes).peak_bytes
 
     def deferred_check(self) -> "DeferredCheck":
         """The check the compile's schedule makes of a plan of this graph chosen unchecked."""

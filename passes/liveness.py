@@ -720,14 +720,20 @@ def with_held_at_backward_start(timeline: LivenessTimeline, nbytes: int) -> Live
     start = timeline.backward_start()
     if not nbytes or start < 0:
         return timeline
-    step = timeline.steps[start]
+    return with_scratch_at(timeline, start, nbytes)
+
+
+def with_scratch_at(timeline: LivenessTimeline, index: int, nbytes: int) -> LivenessTimeline:
+    """`timeline` with `nbytes` more live at its step `index`, as scratch (a larger working set
+    of that step's node)."""
+    step = timeline.steps[index]
     by_category = step.by_category
     if len(by_category) == len(CATEGORIES):
         by_category = tuple(b + (nbytes if c == SCRATCH else 0) for b, c in zip(by_category, CATEGORIES))
-    steps = timeline.steps[:start] + (dataclasses.replace(step, live_bytes=step.live_bytes + nbytes,
-                                                          by_category=by_category),) + timeline.steps[start + 1:]
-    if steps[start].live_bytes <= timeline.peak_bytes:
+    steps = timeline.steps[:index] + (dataclasses.replace(step, live_bytes=step.live_bytes + nbytes,
+                                                          by_category=by_category),) + timeline.steps[index + 1:]
+    if steps[index].live_bytes <= timeline.peak_bytes:
         return dataclasses.replace(timeline, steps=steps)
     breakdown = tuple((c, b) for c, b in zip(CATEGORIES, by_category)) if len(by_category) == len(CATEGORIES) else ()
-    return dataclasses.replace(timeline, steps=steps, peak_bytes=steps[start].live_bytes, peak_index=start,
+    return dataclasses.replace(timeline, steps=steps, peak_bytes=steps[index].live_bytes, peak_index=index,
                                peak_breakdown=breakdown, peak_tensors=())
