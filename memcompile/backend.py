@@ -39,9 +39,9 @@ from memcompile.plan_cache import source_hash
 from memcompile.solver.activations import ActivationSolution
 from memcompile.region_rewrites import (Rewrite, RewriteState, apply_rewrite, initial_rewrites, pending_rewrites,
                                         rewrite_named)
-from memcompile.planner import (DeferredReplanner, NoSolverPlanFits, PlannedGraph, PlanRequest, Replanner, confirm_on_compile,
-                                cost_profile, held_bytes, inductor_rules_for, plan_joint_graph, planning_environment,
-                                planned_with, predicted_inference_peak)
+from memcompile.planner import (DeferredReplanner, NoSolverPlanFits, PlannedGraph, PlanRequest, Replanner,
+                                confirm_on_compile, cost_profile, held_bytes, inductor_rules_for, plan_joint_graph,
+                                planned_with, planning_environment, predicted_inference_peak)
 from memcompile.sizes import planning_sizes, planning_sizes_now
 from memcompile.step_plan import NoStepPlan, StepBudget, choose_step_plan, no_step_plan_error, step_positions
 from memcompile.step_meter import BACKWARD_STARTS, Bound, StepMemory, StepMeter, unique_storage_bytes
@@ -80,6 +80,17 @@ class _Planned(Exception):
         self.plan = plan
         self.made = made
         self.replanner = replanner  # plans the same graph again (None: none was made)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Coarsening:
+    """A chunk limit of a rewrite weighed by _Region._coarsened: the plan with it and the totals."""
+
+    total_s: float  # the plan's added time and the rewrite's cost at this limit
+    limit: int | None  # None: the finest (the rewrite as applied)
+    planned: _Planned
+    cost_s: float  # the rewrite's own estimated cost at this limit
+    grown_bytes: int  # the rewrite's working set beyond the finest's
 
 
 _RECORD: contextvars.ContextVar[_CompileRecord | None] = contextvars.ContextVar("memcompile_record", default=None)
@@ -438,7 +449,7 @@ class _Region:
             except (NoSolverPlanFits, InfeasibleBudgetError):
                 rewritten = None
             if rewritten is not None:
-                rewritten, rewrite_s = self._coarsened_in_room(rewrite, saved, rewritten, rewrite_s, profile)
+                rewritten, rewrite_s = self._coarsened(rewrite, saved, rewritten, rewrite_s, profile)
             if rewritten is not None and rewritten.plan.added_time_s + rewrite_s < added_s:
                 limit = self.rewrites.chunk_limits.get(rewrite.kind)
                 reason = (f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
@@ -455,8 +466,8 @@ class _Region:
             self._restore(saved)
         return estimate
 
-    def _coarsened_in_room(self, rewrite: Rewrite, before: _Saved, rewritten: _Planned, rewrite_s: float,
-                           profile: DeviceProfile) -> tuple[_Planned, float]:
+    def _coarsened(self, rewrite: Rewrite, before: _Saved, rewritten: _Planned, rewrite_s: float,
+                   profile: DeviceProfile) -> tuple[_Planned, float]:
         """The rewrite in fewer chunks (Rewrite.room_limits) where that is estimated faster: each
         chunk of a loss head streams its weight again, a coarser one holds a larger working set.
         Where the plan of the graph as rewritten has room under its budget for that growth, the
@@ -476,39 +487,44 @@ class _Region:
         finest = max(m.chunks for m in matches)
         replanner = rewritten.replanner
         # recomputing more needs the solver's plan, and a compile that checks it on its schedule
-        checks_schedule = made.deferred is not None or (self.backend.options.codegen == "inductor"
-                                                        and not self.backend.plan_only)
+        checks_schedule = self.backend.options.codegen == "inductor" and not self.backend.plan_only
         start = made.solution if (isinstance(made.solution, ActivationSolution) and checks_schedule
                                   and replanner is not None and rewrite.workspace_op is not None) else None
         start_checked_peak = plan.predicted_peak_bytes if made.deferred is None else None
-        best: tuple[float, int | None, _Planned, float, int] = (plan.added_time_s + rewrite_s, None, rewritten,
-                                                                 rewrite_s, 0)
+        best = _Coarsening(plan.added_time_s + rewrite_s, None, rewritten, rewrite_s, 0)
         for limit in sorted((x for x in rewrite.room_limits if x < finest), reverse=True):  # more chunks first
             grown = rewrite.workspace_bytes(graph, limit) - held
             cost = sum(x.added_time_s(profile) for x in coarsened(matches, limit))
             if grown <= room:
                 raised = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + grown)
                 candidate = _Planned(raised, dataclasses.replace(made, plan=raised), replanner)
-            elif start is None or plan.added_time_s + cost >= best[0]:
-                break  # coarser limits grow more and save less than their cost beyond this one
+            elif start is None:
+                break
+            elif plan.added_time_s + cost >= best.total_s:
+                continue  # not even without more recomputation; a coarser limit costs less
             else:
-                attempt = replanner.fit_with_workspace(plan.step_budget_bytes, rewrite.workspace_op, grown, start,
-                                                       start_checked_peak, self.backend.options.time_limit_s)
+                attempt = replanner.fit_with_workspace(plan.step_budget_bytes, rewrite.workspace_op, start,
+                                                       extra_bytes=grown, start_checked_peak=start_checked_peak,
+                                                       time_limit_s=self.backend.options.time_limit_s)
                 if attempt is None:
-                    break
+                    break  # a coarser limit grows the working set more
                 again = planned_with(made, replanner, attempt)
                 candidate = _Planned(again.plan, again, replanner)
             total = candidate.plan.added_time_s + cost
             log.debug("memcompile: %s in at most %d chunks: %s more working set, plan %.2f ms + rewrite %.2f ms",
                       rewrite.what, limit, format_bytes(grown), candidate.plan.added_time_s * 1e3, cost * 1e3)
-            if total >= best[0]:
-                break  # (the cost falls, the plan's time grows: past the least total)
-            best = (total, limit, candidate, cost, grown)
-        _, limit, chosen, cost, grown = best
+            if total >= best.total_s and grown > room:
+                # the plan's time grows with the working set, the head's cost falls less and less:
+                # taken as past the least total (each further limit is another plan, ~10 s at 24 layers)
+                break
+            if total < best.total_s:
+                best = _Coarsening(total, limit, candidate, cost, grown)
+        limit, chosen, cost, grown = best.limit, best.planned, best.cost_s, best.grown_bytes
         if limit is None:
             return rewritten, rewrite_s
         self._restore(before)
-        self._apply(rewrite, limit)
+        if not self._apply(rewrite, limit):  # (it matched at the finest count)
+            raise PlanningFailedError(f"memcompile: {rewrite.what} no longer matches in at most {limit} chunks")
         recomputed = chosen.plan.added_time_s - plan.added_time_s
         logs.rung(f"{rewrite.what} in at most {limit} chunk{'s' if limit > 1 else ''} ("
                   + (f"its plan recomputes {recomputed * 1e3:.2f} ms more" if chosen.made is not None

@@ -48,17 +48,17 @@ from memcompile import check_memo
 from memcompile.plan_cache import solve_cached, source_hash
 from memcompile.sizes import size_value
 from memcompile.solver.activations import (
-    with_fixed_bytes_at,
+    KEEP_BACK_SHARE,
     ActivationProblem,
     ActivationSolution,
     close_decisions,
     evaluate,
-    KEEP_BACK_SHARE,
     greedy_plan,
     recomputed_further,
     solve_activation_plan,
     solve_min_peak,
     step_loads,
+    with_fixed_bytes_at,
 )
 
 log = logging.getLogger("memcompile")
@@ -1222,8 +1222,8 @@ def planned_with(made: PlannedGraph, replanner: "Replanner", attempt: _Attempt) 
     solution = attempt.solution
     deferred = made.deferred if made.deferred is not None else replanner.deferred_check()
     plan = _with_timeline(made.plan, attempt.timeline, as_before=False)
-    plan = dataclasses.replace(plan, decisions=_decisions(replanner.analysis, solution), added_time_s=solution.added_time_s,
-                               solver_status=solution.status, gap=solution.gap,
+    plan = dataclasses.replace(plan, decisions=_decisions(replanner.analysis, solution),
+                               added_time_s=solution.added_time_s, solver_status=solution.status, gap=solution.gap,
                                solve_s=made.plan.solve_s + solution.solve_s)
     return dataclasses.replace(made, plan=plan, solution=solution, deferred=deferred)
 
@@ -1460,7 +1460,7 @@ class Replanner:
         # the plan record's peak until the compile's schedule replaces it: the graph-order count
         return _Attempt(solution, fw, bw, count, checked=False), solution.solve_s
 
-    def fit_with_workspace(self, budget: int, op: object, extra_bytes: int, start: ActivationSolution,
+    def fit_with_workspace(self, budget: int, op: object, start: ActivationSolution, *, extra_bytes: int,
                            start_checked_peak: int | None, time_limit_s: float) -> _Attempt | None:
         """The plan of this graph where each call of `op` holds `extra_bytes` more while it runs
         (the loss head in fewer chunks), from `start` (this graph's plan): recomputed further and
@@ -1487,8 +1487,9 @@ class Replanner:
         if plan is None:
             return None
         peak, added = evaluate(problem, *plan)
-        solution = ActivationSolution(*plan, peak, added, status_text(StatusKind.FALLBACK, RECOMPUTED_FURTHER), 0.0,
-                                      time.perf_counter() - began)
+        # the grown problem's optimum is no faster than the start problem's: its bound holds
+        solution = ActivationSolution(*plan, peak, added, status_text(StatusKind.FALLBACK, RECOMPUTED_FURTHER),
+                                      min(start.lower_bound_s, added), time.perf_counter() - began)
         fw, bw = apply_plan(self.joint, self.analysis, solution.keep, solution.recompute, self.num_fwd_outputs,
                             solution.stored)
         if _has_symbolic_sizes(fw) or _has_symbolic_sizes(bw):
@@ -1506,8 +1507,8 @@ class Replanner:
         else:
             start_fw, start_bw = apply_plan(self.joint, self.analysis, start.keep, start.recompute,
                                             self.num_fwd_outputs, start.stored)
-            start_count = _graph_order_count(start_fw, start_bw, self.num_fwd_outputs, self.options.allocator_rounding,
-                                             self.analysis.boundary_bytes).peak_bytes
+            start_count = _graph_order_count(start_fw, start_bw, self.num_fwd_outputs,
+                                             self.options.allocator_rounding, self.analysis.boundary_bytes).peak_bytes
             scaled, limit = timeline.peak_bytes * start_checked_peak // max(1, start_count), budget
         log.debug("with %d bytes more at %s: model peak %d (target %d), added %.2f ms, graph-order count %d, "
                   "scaled %d", extra_bytes, op, peak, target, added * 1e3, timeline.peak_bytes, scaled)
@@ -1518,8 +1519,8 @@ class Replanner:
     def deferred_check(self) -> "DeferredCheck":
         """The check the compile's schedule makes of a plan of this graph chosen unchecked."""
         return DeferredCheck(self.num_fwd_outputs, self.options.allocator_rounding, self.analysis.boundary_bytes,
-                             self.options.step_budget_bytes, adjacent_reuse=inductor_rules_for(self.options).adjacent_reuse,
-                             is_default_partition=False)
+                             self.options.step_budget_bytes,
+                             adjacent_reuse=inductor_rules_for(self.options).adjacent_reuse, is_default_partition=False)
 
     def _count_of_keep_all(self) -> int:
         if self._keep_all_count is None:

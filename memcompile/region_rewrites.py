@@ -53,7 +53,7 @@ class Rewrite:
     workspace_bytes: Callable[[fx.Graph, int | None], int] | None = None
     # The op whose working set a coarser limit enlarges: where the plan has no room for it, the
     # plan recomputing more to make it is weighed (Replanner.fit_with_workspace).
-    workspace_op: object = None
+    workspace_op: object | None = None
 
     def is_auto(self, options: Options) -> bool:
         return self.setting(options) == "auto"

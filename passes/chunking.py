@@ -37,7 +37,8 @@ Match = TypeVar("Match", bound=ChunkMatch)
 
 def coarsened(matches: tuple[Match, ...], max_chunks: int) -> tuple[Match, ...]:
     """The matches as `apply_chunking` splits them into at most `max_chunks` chunks."""
-    return tuple(dataclasses.replace(m, chunks=max(1, min(m.chunks, max_chunks))) for m in matches)  # type: ignore[type-var]
+    return tuple(dataclasses.replace(m, chunks=max(1, min(m.chunks, max_chunks)))  # type: ignore[type-var]
+                 for m in matches)
 
 
 @dataclass(frozen=True)

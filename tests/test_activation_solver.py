@@ -224,8 +224,9 @@ def test_a_nodes_own_working_set_is_seen_at_its_step_only(problem, data):
 @FAST
 @given(problems(max_candidates=8), st.floats(0.0, 1.0), st.data())
 def test_recomputing_further_from_a_plan_fits_the_grown_problem(problem, fraction, data):
-    # From a plan of the problem, a few greedy moves and recomputations kept back: a plan of the
-    # grown problem within the budget wherever the greedy plan from keeping everything finds one.
+    # From a plan of the problem, a few greedy moves and recomputations kept back: a consistent
+    # plan of the grown problem within the budget, no faster than its best one, and no slower
+    # than the start where the start still fits (nothing to move; kept back only saves).
     budget, feasible = brute_force(problem, fraction)
     if not feasible:
         return
@@ -233,8 +234,13 @@ def test_recomputing_further_from_a_plan_fits_the_grown_problem(problem, fractio
     step = data.draw(st.integers(0, problem.num_steps - 1))
     grown = with_fixed_bytes_at(problem, step, data.draw(st.integers(1, 1500)), by_node=True)
     further = recomputed_further(grown, start.decisions, budget, time_limit_s=5)
+    plans = list(_all_consistent_plans(grown))
+    fitting = [evaluate(grown, *p)[1] for p in plans if evaluate(grown, *p)[0] <= budget]
     if further is None:
-        assert evaluate(grown, *greedy_plan(grown, budget, start_from=start.decisions))[0] > budget
         return
     assert is_consistent(grown, *further)
-    assert evaluate(grown, *further)[0] <= budget
+    peak, added = evaluate(grown, *further)
+    assert peak <= budget
+    assert added >= min(fitting) - 1e-12
+    if evaluate(grown, *start.decisions)[0] <= budget:
+        assert added <= start.added_time_s + 1e-12

@@ -626,17 +626,23 @@ def test_the_chosen_head_takes_fewer_chunks_where_its_plan_has_room_for_them(mon
 
 
 @pytest.mark.inductor
-def test_the_chosen_head_takes_fewer_chunks_where_recomputing_more_for_them_pays(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("start", ["deferred", "checked"])
+def test_the_chosen_head_takes_fewer_chunks_where_recomputing_more_for_them_pays(monkeypatch, tmp_path, start) -> None:
     # Where the chunked graph's plan has no room for a coarser head's larger working set, the plan
     # recomputed further to make it (Replanner.fit_with_workspace) is weighed with the coarser
-    # head's lower cost, and taken where the two together are estimated faster. Each chunk's
-    # weight passes priced high here (a head whose chunks cost more than recomputing a few layers,
-    # as the 24-layer Llama's), by the fixed profile: the rule is tested, not the clock.
+    # head's lower cost, and taken where the two together are estimated faster; the compile's
+    # schedule checks it, whether the plan it started from was left to that check ("deferred") or
+    # checked by a lowering of its own ("checked": no margin under the budget lets a plan go
+    # unchecked). Each chunk's weight passes priced high here (a head whose chunks cost more than
+    # recomputing a few layers, as the 24-layer Llama's), by the fixed profile: the rule is
+    # tested, not the clock.
     from memcompile import planner
     from memcompile.passes import loss_head
 
     _fixed_cpu_profile(monkeypatch)
     monkeypatch.setattr(loss_head, "_WEIGHT_PASSES_PER_CHUNK", 60)
+    if start == "checked":
+        monkeypatch.setattr(planner, "_DEFER_MODEL_MARGIN", 0.9)
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, hidden=256, depth=16, bias=True, upcast=False, reduction="mean", ignore_index=-100)
     ids = torch.randint(0, 2048, (4, 128))
@@ -648,9 +654,9 @@ def test_the_chosen_head_takes_fewer_chunks_where_recomputing_more_for_them_pays
     starts: list = []
     original = planner.Replanner.fit_with_workspace
 
-    def recording(self, budget, op, extra_bytes, start, start_checked_peak, time_limit_s):
-        starts.append(start)
-        return original(self, budget, op, extra_bytes, start, start_checked_peak, time_limit_s)
+    def recording(self, budget, op, start, **kwargs):
+        starts.append((start, kwargs["start_checked_peak"]))
+        return original(self, budget, op, start, **kwargs)
 
     monkeypatch.setattr(planner.Replanner, "fit_with_workspace", recording)
     budget = whole_floor + (keep_all - whole_floor) * 3 // 10
@@ -662,12 +668,14 @@ def test_the_chosen_head_takes_fewer_chunks_where_recomputing_more_for_them_pays
     assert backend.compiles == 1
     assert "chunked into 1 " in plan.graph_rewrites[0] and "at most 1 chunk:" in plan.graph_rewrites[0]
     assert planner.RECOMPUTED_FURTHER in plan.solver_status
-    (start,) = starts
+    ((start_plan, checked_peak),) = starts
+    assert (checked_peak is not None) == (start == "checked")
+    assert backend.deferred_checks == 1 and backend.deferred_checks_failed == 0
     profile = profile_for("cpu")
     assert plan.rewrite_time_s == pytest.approx(dataclasses.replace(head, chunks=1).added_time_s(profile))
     # more recomputed than the finest head's plan, less in all
-    assert plan.added_time_s > start.added_time_s
-    assert plan.added_time_s + plan.rewrite_time_s < start.added_time_s + head.added_time_s(profile)
+    assert plan.added_time_s > start_plan.added_time_s
+    assert plan.added_time_s + plan.rewrite_time_s < start_plan.added_time_s + head.added_time_s(profile)
     for g, want in zip(got, eager):
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
     model.zero_grad(set_to_none=True)

@@ -230,7 +230,8 @@ def _members_by_first(first_of: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
     return {g: tuple(members) for g, members in groups.items()}
 
 
-def with_fixed_bytes_at(problem: ActivationProblem, step: int, nbytes: int, by_node: bool = False) -> ActivationProblem:
+def with_fixed_bytes_at(problem: ActivationProblem, step: int, nbytes: int, *, by_node: bool = False
+                        ) -> ActivationProblem:
     """`problem` with `nbytes` more held at `step` by something no decision changes (eager code
     run between the forward and the backward: the step the backward starts); `by_node`: held by
     the step's node while it runs (a larger working set of its own: a loss head in fewer chunks),
