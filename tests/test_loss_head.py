@@ -596,6 +596,16 @@ def test_auto_chunks_the_head_where_that_is_estimated_faster_than_recomputing(mo
     assert chose == {False, True}  # the budgets above exercise both outcomes
 
 
+def _as_eager_and_within_its_prediction(model, ids, compiled, got, eager, plan, budget) -> None:
+    """The compiled step's gradients are eager's, and its measured peak is within the plan's
+    prediction, itself within the budget."""
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
+    assert measured.peak_bytes <= plan.predicted_peak_bytes + plan.reserve_bytes <= budget
+
+
 def test_the_chosen_head_takes_fewer_chunks_where_its_plan_has_room_for_them(monkeypatch) -> None:
     # Each chunk streams the head's weight again: where the chunked graph's plan leaves room under
     # the budget for a larger chunk's logits, the head takes the fewest chunks that room holds
@@ -617,11 +627,7 @@ def test_the_chosen_head_takes_fewer_chunks_where_its_plan_has_room_for_them(mon
         (plan,) = backend.plans
         assert "chunked into 1 " in plan.graph_rewrites[0] and "at most 1 chunk:" in plan.graph_rewrites[0]
         assert plan.rewrite_time_s == pytest.approx(dataclasses.replace(head, chunks=1).added_time_s(profile_for("cpu")))
-        for g, want in zip(got, eager):
-            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
-        model.zero_grad(set_to_none=True)
-        measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
-        assert measured.peak_bytes <= plan.predicted_peak_bytes + plan.reserve_bytes <= budget
+        _as_eager_and_within_its_prediction(model, ids, compiled, got, eager, plan, budget)
     torch.compiler.reset()
 
 
@@ -676,11 +682,7 @@ def test_the_chosen_head_takes_fewer_chunks_where_recomputing_more_for_them_pays
     # more recomputed than the finest head's plan, less in all
     assert plan.added_time_s > start_plan.added_time_s
     assert plan.added_time_s + plan.rewrite_time_s < start_plan.added_time_s + head.added_time_s(profile)
-    for g, want in zip(got, eager):
-        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
-    model.zero_grad(set_to_none=True)
-    measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
-    assert measured.peak_bytes <= plan.predicted_peak_bytes + plan.reserve_bytes <= budget
+    _as_eager_and_within_its_prediction(model, ids, compiled, got, eager, plan, budget)
     torch.compiler.reset()
 
 
