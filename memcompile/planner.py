@@ -1386,6 +1386,7 @@ class Replanner:
     stock: StockPartitions | None = None  # PyTorch's partitions, where they are candidates
     _least_peak: tuple[_Attempt, float] | None = dataclasses.field(default=None, repr=False, compare=False)
     _keep_all_count: int | None = dataclasses.field(default=None, repr=False, compare=False)
+    _plan_counts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> tuple:
@@ -1467,10 +1468,10 @@ class Replanner:
         kept back (`recomputed_further`) on the calibrated model, unchecked: the compile's
         schedule checks it. The model's target is _DEFER_MODEL_MARGIN under `budget`, or the
         start's own model peak where its check (`start_checked_peak`) put it within the budget
-        above that. Screened as _fit_on_model screens a plan: its graph-order count, scaled as
-        the start's check scaled the start's count (keep-all's for an unchecked start), plus the
-        extra bytes, within that target (the budget for a checked start). None where `op` is not
-        in the graph or a screen is over."""
+        above that. Screened as _fit_on_model screens a plan: its graph-order count with the
+        extra bytes where `op` runs, scaled as the start's check scaled the start's count
+        (keep-all's for an unchecked start), within that target (the budget for a checked start).
+        None where `op` is not in the graph or a screen is over."""
         began = time.perf_counter()
         steps = [t for t, n in enumerate(self.analysis.forward_nodes + self.analysis.backward_nodes)
                  if n.op == "call_function" and n.target is op]
@@ -1505,16 +1506,23 @@ class Replanner:
             scaled = timeline.peak_bytes * self.keep_all.timeline.peak_bytes // max(1, self._count_of_keep_all())
             limit = target
         else:
-            start_fw, start_bw = apply_plan(self.joint, self.analysis, start.keep, start.recompute,
-                                            self.num_fwd_outputs, start.stored)
-            start_count = _graph_order_count(start_fw, start_bw, self.num_fwd_outputs,
-                                             self.options.allocator_rounding, self.analysis.boundary_bytes).peak_bytes
-            scaled, limit = timeline.peak_bytes * start_checked_peak // max(1, start_count), budget
+            scaled, limit = timeline.peak_bytes * start_checked_peak // max(1, self._count_of_plan(start)), budget
         log.debug("with %d bytes more at %s: model peak %d (target %d), added %.2f ms, graph-order count %d, "
                   "scaled %d", extra_bytes, op, peak, target, added * 1e3, timeline.peak_bytes, scaled)
         if scaled > limit:
             return None
         return _Attempt(solution, fw, bw, timeline, checked=False)
+
+    def _count_of_plan(self, solution: ActivationSolution) -> int:
+        """The graph-order count of a plan of this graph, made once per plan (each coarser chunk
+        count tried from the same start asks again: a rewrite and a count of the whole graph)."""
+        key = solution.decisions
+        if key not in self._plan_counts:
+            fw, bw = apply_plan(self.joint, self.analysis, solution.keep, solution.recompute, self.num_fwd_outputs,
+                                solution.stored)
+            self._plan_counts[key] = _graph_order_count(fw, bw, self.num_fwd_outputs, self.options.allocator_rounding,
+                                                        self.analysis.boundary_bytes).peak_bytes
+        return self._plan_counts[key]
 
     def deferred_check(self) -> "DeferredCheck":
         """The check the compile's schedule makes of a plan of this graph chosen unchecked."""
