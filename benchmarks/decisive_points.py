@@ -18,7 +18,9 @@ its 95% confidence interval (Student's t), and the plain-vs-plain ratio of the t
 the noise floor.
 
 Variants: `amb:F` (Inductor, activation_memory_budget=F), `ckpt` (Inductor, per-block
-torch.utils.checkpoint), `mc:BYTES` (memcompile.budget(BYTES), lossless), `mc8:BYTES` (int8).
+torch.utils.checkpoint), `mc:BYTES` (memcompile.budget(BYTES), lossless), `mc8:BYTES` (int8),
+`mc@VARIANT` (memcompile, lossless, at the peak that VARIANT, listed before it, measured in the same
+child: `amb:0.2,mc@amb:0.2`).
 Writes benchmarks/results/decisive{tag}.jsonl (one record per child), decisive{tag}.md and
 decisive{tag}_summary.json; the tag is _<model>_<size> unless --tag says otherwise.
 
@@ -96,12 +98,16 @@ def child(spec: dict) -> dict:
         elif kind == "ckpt":
             var.enable_block_checkpointing()
             fn = torch.compile(_fresh_function(var.module))
-        elif kind in ("mc", "mc8"):
+        elif kind in ("mc", "mc8") or name.startswith("mc@"):
+            if name.startswith("mc@"):
+                # the budget is the peak an earlier variant of this child measured
+                arg = str(rec["variants"][name[len("mc@"):]]["peak_bytes"])
+                info["budget_bytes"] = int(arg)
             backend = memcompile.budget(int(arg), time_limit_s=spec["time_limit"], reserve=reserve,
                                         **({"quantize": "int8"} if kind == "mc8" else {}))
             fn = torch.compile(_fresh_function(var.module), backend=backend)
         else:
-            raise ValueError(f"unknown variant {name!r}: expected amb:F, ckpt, mc:BYTES or mc8:BYTES")
+            raise ValueError(f"unknown variant {name!r}: expected amb:F, ckpt, mc:BYTES, mc8:BYTES or mc@VARIANT")
         t0 = time.perf_counter()
         try:
             one_step(fn, var.module, var.inputs)  # compiles (and partitions) under the fraction
@@ -113,7 +119,7 @@ def child(spec: dict) -> dict:
         m = memcompile.measure_peak(lambda: fn(*var.inputs).backward(), live_at_start=[var.module, *var.inputs])
         var.module.zero_grad(set_to_none=True)
         info["peak_bytes"] = m.peak_bytes
-        if kind in ("mc", "mc8"):
+        if kind in ("mc", "mc8") or name.startswith("mc@"):
             info["budget_ok"] = m.peak_bytes <= int(arg)
             info["plan_summary"] = backend.plans[0].summary() if backend.plans else ""
         rec["variants"][name] = info

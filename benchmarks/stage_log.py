@@ -1,8 +1,9 @@
 """The first call's stages as they happen: each line of memcompile's log with the seconds since start.
 
     python benchmarks/stage_log.py --model llama --size real --budget 960000000 --threads 2
+    python benchmarks/stage_log.py --model gpt_style --batch 4 --seq 512 --budget 1478872070
 
-Builds the model (benchmarks/hf_models.py, random weights), compiles it with
+Builds the model (benchmarks/gpt_style.py or benchmarks/hf_models.py, random weights), compiles it with
 memcompile.budget(--budget, time_limit_s=--time-limit) and an empty plan store and Inductor cache
 (a first launch), runs one forward and backward, and prints memcompile's log at DEBUG, each line
 stamped with the wall time since the start (the stage names come from the progress lines
@@ -25,8 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama", help="a model of benchmarks/hf_models.py")
-    ap.add_argument("--size", default="small")
+    ap.add_argument("--model", default="llama", help="gpt_style, or a model of benchmarks/hf_models.py")
+    ap.add_argument("--size", default="small", help="hf_models only")
+    ap.add_argument("--batch", type=int, default=0, help="0: the config's (gpt_style: 1)")
+    ap.add_argument("--seq", type=int, default=0, help="0: the config's (gpt_style: 256)")
+    ap.add_argument("--layers", type=int, default=0, help="0: the config's (gpt_style: 12)")
     ap.add_argument("--budget", type=float, required=True, help="memcompile budget in bytes")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=30.0, help="the solver's time limit (s)")
@@ -35,7 +39,7 @@ def main() -> int:
 
     import torch
 
-    import hf_models
+    import first_call
     import memcompile
 
     torch.set_num_threads(args.threads)
@@ -52,13 +56,14 @@ def main() -> int:
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
 
-    bench = hf_models.build(args.model, args.size)
+    if args.model == "gpt_style":
+        args.batch, args.seq = args.batch or 1, args.seq or 256
+    module, _, run_step = first_call._build(args)
     backend = memcompile.budget(int(args.budget), time_limit_s=args.time_limit,
                                 plan_store=tempfile.mkdtemp(prefix="stage_log_plans_"))
-    step = torch.compile(bench.module, backend=backend)
+    step = torch.compile(module, backend=backend)
     try:
-        loss = step(*bench.inputs)
-        loss.backward()
+        run_step(step)
         print(f"ran: {backend.plans[-1].solver_status}")
     except memcompile.InfeasibleBudgetError as error:
         print(f"infeasible: min_feasible_bytes={error.min_feasible_bytes}")
