@@ -204,8 +204,9 @@ def status_words(status: str, gap: float) -> str:
             return f"within the budget by the greedy plan with recomputations kept back ({detail})"
         return "within the budget by the greedy plan (the solver found nothing better in its time)"
     if kind is StatusKind.LEAST_PEAK:
-        return ("the least memory memcompile could plan: the budget is at or near the smallest that works, "
-                "so the plan minimises memory and does not weigh time")
+        return ("at or near the least memory memcompile can plan: the budget is at or near the smallest that "
+                "works, so the plan comes from the least-peak search (its first plan within the budget) and "
+                "does not weigh time")
     if kind is StatusKind.STOCK_PARTITION:
         fraction = detail[detail.find("=") + 1:] if "=" in detail else "?"
         return (f"PyTorch's own partition (activation_memory_budget={fraction}) fits, so it runs as is: "

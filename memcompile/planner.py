@@ -170,6 +170,8 @@ def predicted_liveness(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
             timeline = _predicted_liveness(fw, bw, num_fwd_outputs, inductor, rounding)
             if memo is not None:
                 memo.put(key, timeline)
+            log.debug("memcompile: checked a plan%s: peak %s in %.1f s", " on Inductor's schedule" if inductor else "",
+                      format_bytes(timeline.peak_bytes), time.perf_counter() - began)
         return with_held_at_backward_start(timeline, boundary_bytes)
     finally:
         spent = _CHECK_S.get()
@@ -600,7 +602,11 @@ def _search(
         # The least-peak plan is deterministic, so the min_feasible_bytes we report is met by
         # the same plan when the user compiles again at exactly that budget.
         logs.stage(f"{graph_id}: searching the least-peak plan")
-        chosen, min_peak_s = replanner.least_peak_and_solve_s()
+        # Where a budget is asked for (not the least peak for its own sake), the search ends at the
+        # first plan within it: the descent's further checks (a lowering each) only lower a peak
+        # that already fits. Below the floor it runs whole, so the floor it names is exact.
+        within = None if request.least_peak else budget
+        chosen, min_peak_s = replanner.least_peak_and_solve_s(within=within)
         solve_s += min_peak_s
         if chosen.timeline.peak_bytes > budget:
             raise _infeasible(options, chosen, analysis_now())
@@ -1628,12 +1634,20 @@ class Replanner:
         return _rewrite_and_check(self.joint, self.analysis, decisions, self.num_fwd_outputs,
                                   _checks_schedule(self.options), self.options.allocator_rounding)
 
-    def least_peak_and_solve_s(self) -> tuple[_Attempt, float]:
+    def least_peak_and_solve_s(self, within: int | None = None) -> tuple[_Attempt, float]:
         """The least-peak plan (deterministic, so made once: an infeasible first compile and the
-        options offered to a step plan both ask for it), and the solve time it took."""
+        options offered to a step plan both ask for it), and the solve time it took. With
+        `within`, the search's first plan whose check is at most `within` where it finds one
+        before its end (the same path as the whole search, cut short: a budget at the floor the
+        whole search names finds a plan within it), else the least-peak plan."""
         if self._least_peak is None:
-            least, solve_s = _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs, self.options,
-                                                 self.keep_all, self.uncalibrated)
+            # a search that found nothing within `within` ran the whole search's path: its plan
+            # is the least-peak plan
+            least, solve_s, complete = _least_peak_attempt(self.joint, self.analysis, self.num_fwd_outputs,
+                                                           self.options, self.keep_all, self.uncalibrated,
+                                                           within=within)
+            if not complete:
+                return least, solve_s
             # PyTorch's partition at its smallest fraction is a candidate too: on the GPT style
             # file (12 layers, loss head chunked) it peaked 150 MB below the solver's least-peak
             # plan, whose schedule held a gradient made in the forward together with the backward's
@@ -1694,8 +1708,11 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
 
 
 def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _Attempt,
-                        uncalibrated: ActivationProblem | None = None) -> tuple[_Attempt, float]:
-    """The plan with the least peak we can find (deterministically): min-peak under the model, or
+                        uncalibrated: ActivationProblem | None = None, within: int | None = None
+                        ) -> tuple[_Attempt, float, bool]:
+    """(plan, solve time, whether the search ran to its end). The plan with the least peak we can
+    find (deterministically), or with `within`, the first plan of the same search whose check is
+    at most `within` (then the search stops there: complete False): min-peak under the model, or
     recompute-everything-possible if its rewritten graphs peak lower (the model approximates
     conversion and recompute scratch; the check is exact), or the already-checked keep-all
     `baseline` if it peaks lower still (on ResNet, recomputing convolutions into the backward
@@ -1708,6 +1725,8 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
                          workers=options.workers, seed=options.seed)
     fuse, rounding = _checks_schedule(options), options.allocator_rounding
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse, rounding)
+    if within is not None and attempt.timeline.peak_bytes <= within and not problem.store_choices:
+        return attempt, least.solve_s, False
     # Other starts are checked only where the model, matched to the min-peak plan's check, does
     # not put them at or above that peak (as the descent screens its moves): each check is a
     # lowering of the whole graph. Where the matched model reproduces the check, the uncalibrated
@@ -1728,8 +1747,13 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
         plain_problem = dataclasses.replace(problem, store_choices=(), created_at=())
         plain_uncalibrated = (dataclasses.replace(uncalibrated, store_choices=(), created_at=())
                               if uncalibrated is not None else None)
-        lossless = _least_peak_attempt(joint, dataclasses.replace(analysis, problem=plain_problem), num_fwd_outputs,
-                                       options, baseline, plain_uncalibrated)[0]
+        lossless, _, lossless_complete = _least_peak_attempt(
+            joint, dataclasses.replace(analysis, problem=plain_problem), num_fwd_outputs, options, baseline,
+            plain_uncalibrated, within=within)
+        if not lossless_complete:
+            return lossless, least.solve_s, False  # within it without quantizing: no error for nothing
+        if within is not None and attempt.timeline.peak_bytes <= within:
+            return attempt, least.solve_s, False
         plain = solve_cached(solve_min_peak, plain_problem,
                              time_limit_s=options.time_limit_s, workers=options.workers, seed=options.seed)
         others.append(plain.decisions)
@@ -1746,12 +1770,16 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
                                                                        0.0, 0.0), num_fwd_outputs, fuse, rounding)
         if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
             attempt = other
-    attempt = _descend_on_check(joint, analysis, num_fwd_outputs, fuse, attempt, rounding)
+            if within is not None and attempt.timeline.peak_bytes <= within:
+                return attempt, least.solve_s, False
+    attempt = _descend_on_check(joint, analysis, num_fwd_outputs, fuse, attempt, rounding, within=within)
+    if within is not None and attempt.timeline.peak_bytes <= within:
+        return attempt, least.solve_s, False
     if lossless is not None and lossless.timeline.peak_bytes <= attempt.timeline.peak_bytes:
         attempt = lossless  # as low without quantizing: no error for nothing
     if baseline.timeline.peak_bytes < attempt.timeline.peak_bytes:
         attempt = baseline
-    return attempt, least.solve_s
+    return attempt, least.solve_s, True
 
 
 # From the least-peak plan, the largest kept activations are changed one at a time, to recompute
@@ -1767,14 +1795,16 @@ _DESCENT_TRIES_WITH_STORE = 12
 
 
 def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: tp.InductorRules | None, attempt: _Attempt,
-                      rounding: AllocatorRounding = EXACT) -> _Attempt:
+                      rounding: AllocatorRounding = EXACT, within: int | None = None) -> _Attempt:
+    """`attempt` or a plan the descent's checks put lower; with `within`, it stops at the first
+    plan whose check is at most `within`."""
     problem = analysis.problem
     limit = _DESCENT_TRIES_WITH_STORE if problem.store_choices else _DESCENT_TRIES
     steps = {step: t for t, step in enumerate(_model_steps(analysis))}
     screen = _screen_for(analysis, attempt)
     tries = 0
     for i in sorted(attempt.solution.keep, key=lambda c: (-problem.nbytes[c], c)):
-        if tries >= limit or problem.nbytes[i] == 0:
+        if tries >= limit or problem.nbytes[i] == 0 or (within is not None and attempt.timeline.peak_bytes <= within):
             break
         peak = attempt.timeline.peak_step
         if not _held_across(problem, i, steps.get((peak.phase, peak.node))):

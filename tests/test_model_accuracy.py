@@ -225,6 +225,46 @@ def test_the_descent_on_the_check_tries_store_choices_too(monkeypatch):
     assert 0 < len(checks) <= planner._DESCENT_TRIES and all(not dict(d[2]) for d in checks)
 
 
+@pytest.mark.parametrize("options", [{}, {"offload": True}], ids=["recompute", "with_store_choices"])
+def test_the_least_peak_search_for_a_budget_ends_at_the_first_plan_within_it(monkeypatch, options):
+    """Asked for a plan within a budget, the least-peak search follows the whole search's path and
+    stops at its first check within the budget (each check is a lowering of the whole graph);
+    below every plan it runs whole and names the same least-peak plan."""
+    replanner = _replanner_of_an_infeasible_mlp(monkeypatch, **options)
+    checked: list[tuple[int, tuple]] = []
+    original = planner._rewrite_and_check
+
+    def recording(*args, **kwargs):
+        attempt = original(*args, **kwargs)
+        checked.append((attempt.timeline.peak_bytes, attempt.solution.decisions))
+        return attempt
+
+    monkeypatch.setattr(planner, "_rewrite_and_check", recording)
+
+    def search(within):
+        checked.clear()
+        made = planner._least_peak_attempt(replanner.joint, replanner.analysis, replanner.num_fwd_outputs,
+                                           replanner.options, replanner.keep_all, replanner.uncalibrated,
+                                           within=within)
+        return made, list(checked)
+
+    (least, _, complete), whole = search(None)
+    assert complete and whole
+    # within the whole search's least peak: the same path, cut where a check first fits
+    for within in sorted({peak for peak, _ in whole} | {least.timeline.peak_bytes}):
+        (found, _, complete), path = search(within)
+        assert path == whole[:len(path)]
+        assert found.timeline.peak_bytes <= within
+        first_fit = next((n for n, (peak, _) in enumerate(whole) if peak <= within), None)
+        if first_fit is not None and not replanner.analysis.problem.store_choices:
+            assert len(path) == first_fit + 1
+        if not complete:
+            assert found.solution.decisions in [d for _, d in path]
+    # below every plan: the whole search, the same plan
+    (below, _, complete), path = search(min(peak for peak, _ in whole) - 1)
+    assert complete and path == whole and below.solution.decisions == least.solution.decisions
+
+
 def _smallest_budget(model, x, **options) -> int:
     torch.compiler.reset()
     backend = memcompile.budget(1, codegen="aot_eager", time_limit_s=5, **options)
@@ -359,9 +399,9 @@ def test_the_smallest_budget_is_never_above_a_checked_pytorch_partition(monkeypa
     searched = planner._least_peak_attempt
 
     def inflated(*args, **kwargs):
-        attempt, solve_s = searched(*args, **kwargs)
+        attempt, solve_s, complete = searched(*args, **kwargs)
         timeline = dataclasses.replace(attempt.timeline, peak_bytes=attempt.timeline.peak_bytes + 2**20)
-        return dataclasses.replace(attempt, timeline=timeline), solve_s
+        return dataclasses.replace(attempt, timeline=timeline), solve_s, complete
 
     monkeypatch.setattr(planner, "_least_peak_attempt", inflated)
 

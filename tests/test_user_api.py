@@ -348,7 +348,7 @@ def test_the_status_reads_in_plain_words():
     html = to_html([least])
     verdict = html[html.index('<p class="status">'):]
     verdict = verdict[:verdict.index("</p>")]
-    assert "the least memory memcompile could plan" in verdict and "100" not in verdict
+    assert "the least memory memcompile can plan" in verdict and "100" not in verdict
     assert "gap" not in memcompile.dump(least).split("solver", 1)[1].splitlines()[0]
     stock = to_html([hand_plan(solver_status="stock_partition (activation_memory_budget=0.8)")])
     assert "PyTorch&#x27;s own partition (activation_memory_budget=0.8) fits" in stock
