@@ -232,11 +232,20 @@ def parent(args: argparse.Namespace) -> int:
         done = [json.loads(ln) for ln in (RESULTS / f"max_batch{args.tag}.jsonl").read_text().splitlines()]
         done = [r for r in done if r.get("status") in ("ok", "infeasible")]
 
-    def probe_child(spec: dict) -> dict:
-        old = next((r for r in done if all(r.get(k) == v for k, v in spec.items())), None)
-        return old if old is not None else run_child(spec, args)
+    new_probes = []
 
-    base = probe_child({**common, "method": "inductor", "value": args.base_batch, "budget": args.budget})
+    def probe_child(spec: dict, counted: bool = True) -> dict:
+        old = next((r for r in done if all(r.get(k) == v for k, v in spec.items())), None)
+        if old is not None:
+            return old
+        if counted and args.max_new is not None and len(new_probes) >= args.max_new:
+            raise _ProbesLeft
+        new_probes.extend([spec] if counted else [])
+        return run_child(spec, args)
+
+    # (the baseline that sets the budget is not a probe of the search: not counted by --max-new)
+    base = probe_child({**common, "method": "inductor", "value": args.base_batch, "budget": args.budget},
+                       counted=False)
     if base.get("status") != "ok":
         print(base)
         return 2
@@ -246,37 +255,15 @@ def parent(args: argparse.Namespace) -> int:
     methods += [("inductor_amb", {"fraction": f}, f"Inductor activation_memory_budget={f}") for f in args.fractions]
     methods += [("memcompile_int8", {}, "memcompile int8")]
     methods = [m for m in methods if m[0] in args.methods]
-    plain_max = None
-    rows: list[dict] = []
     with (RESULTS / f"max_batch{args.tag}.jsonl").open("w") as sink:
-        for method, extra, label in methods:
-            probes: list[dict] = []
-            unavailable: list[str] = []
-
-            def fits(n: int) -> bool:
-                if unavailable:
-                    return False
-                r = probe_child({**common, **extra, "method": method, "value": n, "budget": budget})
-                sink.write(json.dumps(r) + "\n")
-                sink.flush()
-                probes.append(r)
-                print(f"[{time.perf_counter() - t0:5.0f}s] {label} {args.dim}={n}: {r.get('status')} "
-                      f"fits={r.get('fits')} peak={r.get('peak_bytes')}", flush=True)
-                if r.get("status") == "unavailable":
-                    unavailable.append(r["error"])
-                return bool(r.get("fits"))
-
-            # the others start at 2x plain Inductor's largest (the target): fewer compiles
-            start = args.base_batch if plain_max is None else max(1, 2 * plain_max)
-            tol = 0.0 if method == "inductor" else args.rel_tol
-            best, _ = largest_fitting(fits, start, args.limit, tol)
-            if method == "inductor":
-                plain_max = best
-            failed = sorted(p["value"] for p in probes if not p.get("fits") and p["value"] > best)
-            at = next((p for p in probes if p["value"] == best and p.get("fits")), {})
-            rows.append({"method": method, "label": label, "max": best, "peak_at_max": at.get("peak_bytes"),
-                         "first_failing": failed[0] if failed else None,
-                         "probes": probes, "unavailable": unavailable[0] if unavailable else None, **extra})
+        try:
+            rows = _searched(methods, common, budget, args, probe_child, sink, t0)
+        except _ProbesLeft:
+            # the earlier run's probes this one did not reach are kept for the next
+            written = [json.loads(line) for line in (RESULTS / f"max_batch{args.tag}.jsonl").read_text().splitlines()]
+            sink.write("".join(json.dumps(r) + "\n" for r in done if r not in written))
+            print(f"stopped after {len(new_probes)} new probe(s) (--max-new): run again with --resume", flush=True)
+            return 3
     amb = [r for r in rows if r["method"] == "inductor_amb"]
     if len(amb) > 1:  # PyTorch's best fraction only
         best = max(amb, key=lambda r: r["max"])
@@ -287,6 +274,46 @@ def parent(args: argparse.Namespace) -> int:
         json.dumps({"budget": budget, "base": base, "rows": rows}, indent=2) + "\n")
     print(md)
     return 0
+
+
+class _ProbesLeft(Exception):
+    """--max-new probes were run: the search goes on in the next invocation (--resume)."""
+
+
+def _searched(methods, common: dict, budget: int, args: argparse.Namespace, probe_child, sink, t0: float
+              ) -> list[dict]:
+    """Each method's row: its largest fitting size, probes written to `sink` as they end."""
+    plain_max = None
+    rows: list[dict] = []
+    for method, extra, label in methods:
+        probes: list[dict] = []
+        unavailable: list[str] = []
+
+        def fits(n: int) -> bool:
+            if unavailable:
+                return False
+            r = probe_child({**common, **extra, "method": method, "value": n, "budget": budget})
+            sink.write(json.dumps(r) + "\n")
+            sink.flush()
+            probes.append(r)
+            print(f"[{time.perf_counter() - t0:5.0f}s] {label} {args.dim}={n}: {r.get('status')} "
+                  f"fits={r.get('fits')} peak={r.get('peak_bytes')}", flush=True)
+            if r.get("status") == "unavailable":
+                unavailable.append(r["error"])
+            return bool(r.get("fits"))
+
+        # the others start at 2x plain Inductor's largest (the target): fewer compiles
+        start = args.base_batch if plain_max is None else max(1, 2 * plain_max)
+        tol = 0.0 if method == "inductor" else args.rel_tol
+        best, _ = largest_fitting(fits, start, args.limit, tol)
+        if method == "inductor":
+            plain_max = best
+        failed = sorted(p["value"] for p in probes if not p.get("fits") and p["value"] > best)
+        at = next((p for p in probes if p["value"] == best and p.get("fits")), {})
+        rows.append({"method": method, "label": label, "max": best, "peak_at_max": at.get("peak_bytes"),
+                     "first_failing": failed[0] if failed else None,
+                     "probes": probes, "unavailable": unavailable[0] if unavailable else None, **extra})
+    return rows
 
 
 def main() -> int:
@@ -307,6 +334,7 @@ def main() -> int:
     ap.add_argument("--rel-tol", type=float, default=0.15,
                     help="stop bisecting (all but plain Inductor) when the first failing size is within this of the answer")
     ap.add_argument("--resume", action="store_true", help="reuse probes of an earlier run with the same tag")
+    ap.add_argument("--max-new", type=int, help="run at most this many new probes; exit 3 while the search goes on")
     ap.add_argument("--cache-dir", help="Inductor cache directory to use (default: a fresh temporary one)")
     ap.add_argument("--plans", action="store_true", help="memcompile's row by memcompile.max_batch (plans only)")
     ap.add_argument("--lo", type=int, default=1, help="--plans: smallest batch")
