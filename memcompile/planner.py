@@ -1707,6 +1707,11 @@ def _solve_or_greedy(problem, target: int, time_limit_s: float, options: Options
         return ActivationSolution(*plan, peak, added, status, 0.0, 0.0)
 
 
+def _within(attempt: _Attempt, within: int | None) -> bool:
+    """Whether a search cut at `within` (None: not cut) ends at this checked plan."""
+    return within is not None and attempt.timeline.peak_bytes <= within
+
+
 def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _Attempt,
                         uncalibrated: ActivationProblem | None = None, within: int | None = None
                         ) -> tuple[_Attempt, float, bool]:
@@ -1725,7 +1730,7 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
                          workers=options.workers, seed=options.seed)
     fuse, rounding = _checks_schedule(options), options.allocator_rounding
     attempt = _rewrite_and_check(joint, analysis, least, num_fwd_outputs, fuse, rounding)
-    if within is not None and attempt.timeline.peak_bytes <= within and not problem.store_choices:
+    if _within(attempt, within) and not problem.store_choices:
         return attempt, least.solve_s, False
     # Other starts are checked only where the model, matched to the min-peak plan's check, does
     # not put them at or above that peak (as the descent screens its moves): each check is a
@@ -1752,7 +1757,7 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
             plain_uncalibrated, within=within)
         if not lossless_complete:
             return lossless, least.solve_s, False  # within it without quantizing: no error for nothing
-        if within is not None and attempt.timeline.peak_bytes <= within:
+        if _within(attempt, within):
             return attempt, least.solve_s, False
         plain = solve_cached(solve_min_peak, plain_problem,
                              time_limit_s=options.time_limit_s, workers=options.workers, seed=options.seed)
@@ -1770,10 +1775,10 @@ def _least_peak_attempt(joint, analysis, num_fwd_outputs, options, baseline: _At
                                                                        0.0, 0.0), num_fwd_outputs, fuse, rounding)
         if other.timeline.peak_bytes < attempt.timeline.peak_bytes:
             attempt = other
-            if within is not None and attempt.timeline.peak_bytes <= within:
+            if _within(attempt, within):
                 return attempt, least.solve_s, False
     attempt = _descend_on_check(joint, analysis, num_fwd_outputs, fuse, attempt, rounding, within=within)
-    if within is not None and attempt.timeline.peak_bytes <= within:
+    if _within(attempt, within):
         return attempt, least.solve_s, False
     if lossless is not None and lossless.timeline.peak_bytes <= attempt.timeline.peak_bytes:
         attempt = lossless  # as low without quantizing: no error for nothing
@@ -1804,7 +1809,7 @@ def _descend_on_check(joint, analysis, num_fwd_outputs, fuse: tp.InductorRules |
     screen = _screen_for(analysis, attempt)
     tries = 0
     for i in sorted(attempt.solution.keep, key=lambda c: (-problem.nbytes[c], c)):
-        if tries >= limit or problem.nbytes[i] == 0 or (within is not None and attempt.timeline.peak_bytes <= within):
+        if tries >= limit or problem.nbytes[i] == 0 or _within(attempt, within):
             break
         peak = attempt.timeline.peak_step
         if not _held_across(problem, i, steps.get((peak.phase, peak.node))):
