@@ -89,6 +89,7 @@ def child(spec: dict) -> dict:
     one_step(base_fn, base.module, base.inputs)
     for name in spec["variants"]:
         kind, _, arg = name.partition(":")
+        is_memcompile = kind in ("mc", "mc8") or name.startswith("mc@")
         var = fresh()
         info: dict = {}
         default_fraction = functorch_config.activation_memory_budget
@@ -98,7 +99,7 @@ def child(spec: dict) -> dict:
         elif kind == "ckpt":
             var.enable_block_checkpointing()
             fn = torch.compile(_fresh_function(var.module))
-        elif kind in ("mc", "mc8") or name.startswith("mc@"):
+        elif is_memcompile:
             if name.startswith("mc@"):
                 # the budget is the peak an earlier variant of this child measured
                 arg = str(rec["variants"][name[len("mc@"):]]["peak_bytes"])
@@ -119,7 +120,7 @@ def child(spec: dict) -> dict:
         m = memcompile.measure_peak(lambda: fn(*var.inputs).backward(), live_at_start=[var.module, *var.inputs])
         var.module.zero_grad(set_to_none=True)
         info["peak_bytes"] = m.peak_bytes
-        if kind in ("mc", "mc8") or name.startswith("mc@"):
+        if is_memcompile:
             info["budget_ok"] = m.peak_bytes <= int(arg)
             info["plan_summary"] = backend.plans[0].summary() if backend.plans else ""
         rec["variants"][name] = info

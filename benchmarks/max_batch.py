@@ -240,7 +240,8 @@ def parent(args: argparse.Namespace) -> int:
             return old
         if counted and args.max_new is not None and len(new_probes) >= args.max_new:
             raise _ProbesLeft
-        new_probes.extend([spec] if counted else [])
+        if counted:
+            new_probes.append(spec)
         return run_child(spec, args)
 
     # (the baseline that sets the budget is not a probe of the search: not counted by --max-new)
