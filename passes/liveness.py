@@ -121,6 +121,17 @@ class LivenessTimeline:
         return max((sum(s.by_category[i] for i in fixed) for s in self.steps
                     if len(s.by_category) == len(CATEGORIES)), default=0)
 
+    def held_as_forward_ends(self) -> int:
+        """The parameters and inputs, saved tensors and outputs live at the forward's last step (0:
+        not recorded by category, or no forward): every schedule of these graphs holds them all as
+        its forward's last kernel runs, so no schedule of them peaks lower."""
+        start = self.backward_start()
+        last = (start if start >= 0 else len(self.steps)) - 1
+        if last < 0 or self.steps[last].phase != "forward" or len(self.steps[last].by_category) != len(CATEGORIES):
+            return 0
+        held = [CATEGORIES.index(c) for c in (STATIC, SAVED, OUTPUT)]
+        return sum(self.steps[last].by_category[i] for i in held)
+
     def backward_start(self) -> int:
         """The index of the first backward step (-1: none)."""
         return next((i for i, s in enumerate(self.steps) if s.phase == "backward"), -1)

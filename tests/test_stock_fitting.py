@@ -6,19 +6,28 @@ from __future__ import annotations
 
 import types
 
-from hypothesis import given, settings, strategies as st
+import copy
 
-from memcompile import planner
+import pytest
+import torch
+from hypothesis import Phase, given, settings, strategies as st
+
+import memcompile
+from memcompile import _torch_private as tp, planner
+from tests.models import WithLoss, build
 
 
-def _partitions(checked: dict[float, int], counted: dict[float, int]) -> tuple[planner.StockPartitions, list[float]]:
-    """StockPartitions whose partitions' checks and counts are these numbers (no graphs): and the
-    list of fractions it lowers to check, in order."""
+def _partitions(checked: dict[float, int], counted: dict[float, int], held: dict[float, int] | None = None
+                ) -> tuple[planner.StockPartitions, list[float]]:
+    """StockPartitions whose partitions' checks and counts (and what each holds as its forward
+    ends, where given) are these numbers (no graphs): and the list of fractions it lowers to
+    check, in order."""
     lowered: list[float] = []
     stock = planner.StockPartitions(joint=None, joint_inputs=None, num_fwd_outputs=1,
                                     static_lifetime_input_indices=None, profile=None, forward_names=set())
     stock._partitions.update({f: (None, None, 0.0) for f in checked})
     stock._counts.update(counted)
+    stock._held_at_forward_end.update(held or {})
 
     def make(fraction: float, as_stock: bool = False):
         lowered.append(("stock", fraction) if as_stock else fraction)  # (under Inductor's own rules)
@@ -199,3 +208,80 @@ def test_where_the_least_count_checks_over_a_larger_fraction_estimated_within_is
     stock, lowered = _partitions(checked, counted)
     assert stock.fitting(800, counted_first=True) is None
     assert lowered == [0.4]
+
+
+# What the GPT style file's partitions (12 layers, 4 x 512, chunked head and MLPs) held as their
+# forward ended (B), within 8 B of each check's forward end.
+GPT_CHUNKED = ({1.0: 1_728_219_152, 0.8: 1_593_107_472, 0.6: 1_650_000_000, 0.4: 1_700_000_000},
+               {1.0: 1_760_000_000, 0.8: 1_640_000_000, 0.6: 1_690_000_000, 0.4: 1_730_000_000},
+               {1.0: 1_690_384_396, 0.8: 1_539_581_964, 0.6: 1_600_000_000, 0.4: 1_640_000_000})
+
+
+def test_a_partition_whose_forward_ends_over_the_budget_is_not_lowered():
+    stock, lowered = _partitions(*GPT_CHUNKED)
+    assert stock.fitting(1_478_872_070, counted_first=True) is None and lowered == []
+    assert stock.least_peak_at_least() == GPT_CHUNKED[2][0.8]  # the least any of them can peak at
+    stock, lowered = _partitions(*GPT_CHUNKED)
+    assert stock.fitting(1_478_872_070) is None and lowered == []
+    # within the budget on what it holds: lowered and taken where its check fits
+    stock, lowered = _partitions(*GPT_CHUNKED)
+    assert stock.fitting(1_600_000_000, counted_first=True).solution.fraction == 0.8 and lowered == [0.8]
+    # for the least peak, none is lowered that holds as much as the plan to beat
+    stock, lowered = _partitions(*GPT_CHUNKED)
+    assert stock.least_peak_partition(below=1_539_581_964) is None and lowered == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(_CHECKS_COUNTS, st.lists(st.floats(0.3, 1.0), min_size=4, max_size=4), st.integers(40, 420),
+       st.booleans())
+def test_what_a_partition_holds_as_its_forward_ends_only_spares_checks(checks_counts, held_share, budget,
+                                                                        counted_first):
+    """Where what each partition holds as its forward ends is known (at most its check), the
+    partitions it puts over the budget are not lowered, and the answer is as good: one that fits
+    wherever the same search without it found one, and never a slower one than it took."""
+    checked, counted = checks_counts
+    held = {f: int(checked[f] * share) for f, share in zip(planner.STOCK_FRACTIONS, held_share)}
+    stock, lowered = _partitions(checked, counted, held)
+    chosen = stock.fitting(budget, counted_first=counted_first)
+    fractions_lowered = [f[1] if isinstance(f, tuple) else f for f in lowered]
+    assert not any(held[f] > budget for f in fractions_lowered)
+    assert len(lowered) == len(set(lowered))
+    if chosen is not None:
+        assert chosen.timeline.peak_bytes <= budget
+    least = stock.least_peak_at_least()
+    assert least <= min((checked[f] for f in fractions_lowered), default=least)
+    assert least >= min(held.values())  # known for every partition: never "not known"
+    plain, _ = _partitions(checked, counted)
+    without = plain.fitting(budget, counted_first=counted_first)
+    if without is not None:
+        # the only partitions it rules out are over the budget: what fits stays a candidate
+        assert chosen is not None
+
+
+@pytest.mark.inductor  # the check lowers and schedules with Inductor
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(arch=st.sampled_from(["mlp", "convbn", "attention", "multi_output"]), size=st.sampled_from([8, 16, 32]),
+       depth=st.integers(1, 3), batch=st.integers(2, 16), dtype=st.sampled_from([torch.float32, torch.float64]),
+       fraction=st.sampled_from(planner.STOCK_FRACTIONS))
+def test_no_schedule_of_a_partition_peaks_below_what_its_forward_ends_holding(arch, size, depth, batch, dtype,
+                                                                              fraction):
+    """The part of a partition's graph-order count that rules it out without a check (its inputs,
+    saved tensors and outputs at the forward's end) is at most what its check on Inductor's schedule
+    holds as that schedule's forward ends (convolutions in float64: half of it)."""
+    model, x = build(arch, size, depth, batch, dtype)
+    seen = []
+
+    def spy(joint, joint_inputs, **kwargs):
+        seen.append((copy.deepcopy(joint), joint_inputs, kwargs["num_fwd_outputs"]))
+        raise memcompile.InfeasibleBudgetError("seen", budget_bytes=1, min_feasible_bytes=2)
+
+    torch.compiler.reset()
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(memcompile.InfeasibleBudgetError):
+        patch.setattr(planner, "_plan_joint_graph", spy)
+        torch.compile(WithLoss(model), backend=memcompile.budget(10**12, codegen="aot_eager"))(x).backward()
+    joint, joint_inputs, num_fwd_outputs = seen[0]
+    fw, bw = tp.stock_partition(tp.prepare_joint_graph(joint), joint_inputs, memory_budget=fraction,
+                                num_fwd_outputs=num_fwd_outputs)
+    held = planner._graph_order_count(fw, bw, num_fwd_outputs, planner.EXACT, 0).held_as_forward_ends()
+    check = planner.predicted_liveness(fw, bw, num_fwd_outputs, tp.PLANNED_RULES)
+    assert 0 < held <= check.held_as_forward_ends() <= check.peak_bytes
