@@ -83,6 +83,15 @@ class _Planned(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Coarse:
+    """A coarser chunking's plan, made and not compiled (_Region._plan_coarse), and its region state."""
+
+    planned: _Planned
+    state: "_Saved"
+    total_s: float  # its plan's added time and what its rewrites cost
+
+
+@dataclasses.dataclass(frozen=True)
 class _Coarsening:
     """A chunk limit of a rewrite weighed by _Region._coarsened: the plan with it and the totals."""
 
@@ -305,6 +314,7 @@ class _Region:
         if not cautious and not backend.measured_steps:
             self._hold_returned_gradients()
         compile_for = functools.partial(self._compile_first_for, example_inputs, cautious)
+        profile = cost_profile(backend.options, backend.options.device or step_device(example_inputs))
 
         # Where a rewrite could lower the floor (a chunked loss head, chunked MLPs), a graph no
         # solver plan fits is not searched for its least peak before the rewritten graph is planned:
@@ -330,7 +340,7 @@ class _Region:
             # all that is searched, for the floor the error names (or a plan, if an input's
             # gradient was counted that the step does not make).
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
-                position, outside, compile_for, whole_error=None, coarse=False, only_last=True))
+                position, outside, compile_for, whole_error=None, coarse=False, only_last=True, profile=profile))
             self._finish_first(ladder_key, outside)
             return
         rewrite_first_s = self._cheap_rewrite_s(example_inputs) if defer else None
@@ -364,13 +374,13 @@ class _Region:
             first_reason = _rewrite_first_reason(no_fit, rewrite_first_s)
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=None, coarse=not cautious,
-                whole_floor_at_least=floor_at_least, first_reason=first_reason))
+                whole_floor_at_least=floor_at_least, first_reason=first_reason, profile=profile))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
             whole_error = error
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
-                position, outside, compile_for, whole_error=whole_error, coarse=not cautious))
+                position, outside, compile_for, whole_error=whole_error, coarse=not cautious, profile=profile))
         self._finish_first(ladder_key, outside)
 
     def _cautious_first(self, position: int) -> bool:
@@ -591,7 +601,7 @@ class _Region:
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
                         whole_error: InfeasibleBudgetError | None, coarse: bool = True,
                         whole_floor_at_least: int = 0, only_last: bool = False,
-                        first_reason: str | None = None) -> _Variant:
+                        first_reason: str | None = None, profile: DeviceProfile | None = None) -> _Variant:
         """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
         (None: its least peak not searched yet): apply the pending rewrites one at a time (the
         loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
@@ -611,7 +621,9 @@ class _Region:
         graphs before are not lowered again for a floor perhaps a partition's kernel order
         lower (GPT style, 12 layers, tied gradients accumulated: the chunked head's 0.4 partition
         checked 1004.05 MiB, the chunked MLPs' floor 1003.30 MiB). `first_reason`: why the first rewrite is applied
-        where not because no plan fits without it (PlanRequest.rewrite_first_s)."""
+        where not because no plan fits without it (PlanRequest.rewrite_first_s). Where a coarser
+        variant's plan recomputes more than the finest chunking would cost beyond it (`profile`'s
+        estimates), the finest graph is planned too and the faster of the two compiled (_Coarse)."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
         unsearched = [(self._saved(), whole_floor_at_least)] if deferred and not only_last else []
@@ -620,8 +632,9 @@ class _Region:
             reason = ("the inputs and their gradients alone exceed the budget" if only_last
                       else first_reason if i == 0 and first_reason
                       else f"no {'solver ' if deferred else ''}plan fits without it")
+            coarser: _Coarse | None = None
             if coarse:
-                fitted = self._plan_coarse(rewrite, reason, position, outside, compile_for)
+                fitted, coarser = self._plan_coarse(rewrite, reason, position, outside, compile_for, profile)
                 if fitted is not None:
                     return fitted
             self._apply(rewrite)
@@ -632,11 +645,20 @@ class _Region:
             search = not deferred or i == len(pending) - 1
             if only_last and not search:
                 continue
+            stop = (coarser.total_s - self.rewrites.added_time_s(profile)
+                    if coarser is not None and profile is not None else None)
             try:
-                return self._plan_for_position(position, outside, lambda o, search=search: compile_for(o, search))
+                return self._plan_for_position(position, outside,
+                                               lambda o, search=search, stop=stop: compile_for(o, search, stop_above_s=stop))
+            except _Planned:  # (only with a coarser plan to beat) the finest is no faster with its chunking
+                return self._compile_coarse(coarser, position, outside, compile_for)
             except NoSolverPlanFits as no_fit:
+                if coarser is not None:
+                    return self._compile_coarse(coarser, position, outside, compile_for)
                 unsearched.append((self._saved(), no_fit.floor_at_least))
             except InfeasibleBudgetError as error:
+                if coarser is not None:
+                    return self._compile_coarse(coarser, position, outside, compile_for)
                 errors.append(error)
         for state, floor_at_least in reversed(unsearched):
             if errors and floor_at_least >= min(e.min_feasible_bytes for e in errors):
@@ -653,24 +675,52 @@ class _Region:
         raise min(errors, key=lambda e: e.min_feasible_bytes)
 
     def _plan_coarse(self, rewrite: Rewrite, reason: str, position: int, outside: int,
-                     compile_for: Callable[..., _Variant]) -> _Variant | None:
+                     compile_for: Callable[..., _Variant], profile: DeviceProfile | None
+                     ) -> tuple[_Variant | None, _Coarse | None]:
         """The rewrite with fewer, larger chunks (each of rewrite.coarse_first, no least-peak
-        search): the first that a solver plan fits, or None with the region as it was. Fewer
-        chunks cost less: ViT small at 7.76 MiB ran 1.18x the step with its MLPs in 2 chunks
-        against 1.30x in 8 (the finest, what the MLPs' shapes ask for), both within the budget."""
+        search): the first that a solver plan fits, compiled; or (None, None) with the region as it
+        was. Fewer chunks cost less: ViT small at 7.76 MiB ran 1.18x the step with its MLPs in 2
+        chunks against 1.30x in 8 (the finest, what the MLPs' shapes ask for), both within the
+        budget. But a plan that recomputes more than chunking finer would cost beyond it (GPT style
+        file, 12 layers, 4 x 512, near its floor: 3.5 s added with the MLPs in 2 chunks, 0.5 s with
+        them in 8) is not compiled: it is returned (None, its _Coarse) with the region as it was,
+        for the caller to weigh against the finest graph's plan."""
+        finest_s = (sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, rewrite.pattern))
+                    if profile is not None else None)
         for limit in rewrite.coarse_first:
             saved = self._saved()
             if not self._apply(rewrite, limit):
-                return None
+                return None, None
             self.rewrites = self.rewrites.with_reason(
                 rewrite.kind, f"{reason}; at most {limit} chunks (the fewest tried that fit)")
             logs.rung(f"{rewrite.what} in at most {limit} chunks ({reason})")
+            rewrite_s = self.rewrites.added_time_s(profile) if profile is not None else 0.0
+            before_s = rewrite_s - sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind)) \
+                if profile is not None else 0.0
+            stop = before_s + finest_s - rewrite_s if finest_s is not None else None
             try:
-                return self._plan_for_position(position, outside, lambda o: compile_for(o, False))
+                planned_fit = self._plan_for_position(position, outside,
+                                                      lambda o, stop=stop: compile_for(o, False, stop_above_s=stop))
+                return planned_fit, None
+            except _Planned as planned:
+                log.debug("memcompile: with %s in at most %d chunks the plan adds %.2f ms, more than chunking finer "
+                          "costs beyond it (%.2f ms): the finest graph is planned to compare", rewrite.what, limit,
+                          planned.plan.added_time_s * 1e3, (stop or 0.0) * 1e3)
+                coarser = _Coarse(planned, self._saved(), planned.plan.added_time_s + rewrite_s)
+                self._restore(saved)
+                return None, coarser
             except (NoSolverPlanFits, InfeasibleBudgetError):
                 log.debug("memcompile: no solver plan fits with %s in at most %d chunks", rewrite.what, limit)
                 self._restore(saved)
-        return None
+        return None, None
+
+    def _compile_coarse(self, coarser: _Coarse, position: int, outside: int,
+                        compile_for: Callable[..., _Variant]) -> _Variant:
+        """The coarser graph compiled to the plan made for it (_plan_coarse)."""
+        self._restore(coarser.state)
+        self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
+        logs.rung("the coarser chunking, compiled to its plan: the finest graph's plan is no faster")
+        return self._plan_for_position(position, outside, lambda o: compile_for(o, False, planned=coarser.planned.made))
 
     def _saved(self) -> _Saved:
         """What trying a rewrite changes, to go back to it as it was."""

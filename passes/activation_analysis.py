@@ -27,6 +27,7 @@ from memcompile.passes.graph_facts import (
     is_builtin_op,
     is_mutating_op,
     is_random_op,
+    writes_over_a_copy_of_its_first_input,
 )
 from memcompile.passes.liveness import op_scratch_bytes
 from memcompile.passes.stored_forms import StoreOptions, error_sensitivity, is_materialised, store_choices_for
@@ -305,9 +306,25 @@ def _add_fixed_bytes(fixed: _FixedBytes, phases: _Phases, candidates: set[fx.Nod
         size = tensor_nbytes(n.meta.get("val"))
         if n in backward:
             end = last if n in grad_roots else max(reads.bw_last.get(n, NEVER), step[n])
-            fixed.add(size, born[n], end, by_node=True)
+            # a scatter into a copy of a backward buffer dying at it takes that buffer over, as
+            # Inductor's does: the GPT style file's tied embedding gradient, counted twice, held
+            # 154 MB more at the backward's last step than its check under every plan
+            taken_over = _takes_over_its_first_input(n, phases, reads, grad_roots)
+            fixed.add(size, step[n] + 1 if taken_over else born[n], end, by_node=not taken_over)
         elif n not in candidates:
             fixed.add(size, step[n], max(reads.fw_last.get(n, NEVER), step[n]), by_node=True)
+
+
+def _takes_over_its_first_input(n: fx.Node, phases: _Phases, reads: _Reads, grad_roots: set[fx.Node]) -> bool:
+    """Whether backward node `n` writes over a copy of its first input (a scatter,
+    graph_facts.writes_over_a_copy_of_its_first_input) whose buffer, made in the backward and of
+    its size, dies at `n`: Inductor's copy then takes over that buffer (scheduler.decide_inplace_update)."""
+    if not writes_over_a_copy_of_its_first_input(n) or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    donor = phases.root[n.args[0]]
+    return (donor in phases.backward and donor not in grad_roots and donor.op == "call_function"
+            and reads.bw_last.get(donor) == phases.step[n]
+            and tensor_nbytes(donor.meta.get("val")) == tensor_nbytes(n.meta.get("val")))
 
 
 @dataclass

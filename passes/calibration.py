@@ -16,6 +16,7 @@ planner's tightening loop.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -52,11 +53,12 @@ def step_corrections(
     after it: the differences, not the checked bytes, since those include tensors the model
     frees in between as the plan decides (GPT-2's saved GELU values, read by the kernel just
     before a view: taking that kernel's 21.6 MiB put 10 MiB of them into the view's fixed
-    bytes, under every plan). A phase the check names nowhere is left uncorrected."""
+    bytes, under every plan). A phase the check names nowhere is left uncorrected. A check step out
+    of the model's order is not a match (_in_model_order)."""
     if len(step_keys) != len(model_loads):
         raise ValueError(f"{len(step_keys)} step keys for {len(model_loads)} modelled loads")
     checked: dict[tuple[str, str], int] = {}
-    for phase, node, live in checked_steps:
+    for phase, node, live in _in_model_order(step_keys, checked_steps):
         key = (phase, node)
         checked[key] = max(checked.get(key, 0), live)
     known: list[int | None] = [None if checked.get(key) is None else checked[key] - load
@@ -80,6 +82,47 @@ def step_corrections(
               for value, b, a in zip(known, before, after)]
     delta = tuple(0 if d is None else d for d in filled)
     return StepCorrection(delta_bytes=delta, matched_steps=sum(v is not None for v in known))
+
+
+def _in_model_order(step_keys: Sequence[tuple[str, str]],
+                    checked_steps: Sequence[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """The check's steps that name a model step, less those out of the model's order: per phase,
+    the longest run of them whose model steps do not go back. A fused kernel is named after one of
+    its nodes, which Inductor's schedule may run far from where the model does (the GPT style
+    file's position `iota`, named by a kernel at the forward's end: matched there, it put the
+    forward's last live bytes, 1.19 GB over the model, into the fixed bytes of its first step, so
+    that no plan of the calibrated model peaked below the keep-all plan's forward end)."""
+    index = {key: t for t, key in enumerate(step_keys)}
+    by_phase: dict[str, list[tuple[int, tuple[str, str, int]]]] = {}
+    for step in checked_steps:
+        t = index.get((step[0], step[1]))
+        if t is not None:
+            by_phase.setdefault(step[0], []).append((t, step))
+    kept: list[tuple[str, str, int]] = []
+    for named in by_phase.values():
+        kept += [named[i][1] for i in _longest_not_decreasing([t for t, _ in named])]
+    return kept
+
+
+def _longest_not_decreasing(values: Sequence[int]) -> list[int]:
+    """Indices of a longest subsequence of `values` that never decreases (patience sorting)."""
+    tails: list[int] = []  # tails[k]: the least last value of a run of length k + 1
+    tail_at: list[int] = []  # its index in `values`
+    before: list[int] = [-1] * len(values)
+    for i, value in enumerate(values):
+        k = bisect.bisect_right(tails, value)
+        before[i] = tail_at[k - 1] if k else -1
+        if k == len(tails):
+            tails.append(value)
+            tail_at.append(i)
+        else:
+            tails[k], tail_at[k] = value, i
+    run = []
+    i = tail_at[-1] if tail_at else -1
+    while i >= 0:
+        run.append(i)
+        i = before[i]
+    return run[::-1]
 
 
 def calibrated(problem: ActivationProblem, correction: StepCorrection) -> ActivationProblem:

@@ -86,3 +86,38 @@ def test_a_check_step_named_twice_counts_its_larger_value():
 def test_mismatched_lengths_are_rejected():
     with pytest.raises(ValueError, match="2 step keys for 1 modelled loads"):
         step_corrections([("forward", "a"), ("forward", "b")], [1], [])
+
+
+def test_a_check_step_out_of_the_models_order_is_not_a_match():
+    """A fused kernel named after a node the model runs first, scheduled at the forward's end (the
+    GPT style file's `iota`): its bytes are the forward's end, not its node's. Matched, they would
+    be fixed into the first step under every plan."""
+    keys = [("forward", "iota"), ("forward", "a"), ("forward", "b"), ("forward", "c")]
+    model = [500, 600, 700, 800]
+    checked = [("forward", "a", 610), ("forward", "b", 705), ("forward", "c", 790), ("forward", "iota", 1700)]
+    correction = step_corrections(keys, model, checked)
+    assert correction.matched_steps == 3
+    assert correction.delta_bytes == (10, 10, 5, -10)  # iota takes its neighbour's difference
+    assert correction.largest_undercount == 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=40), st.randoms(use_true_random=False))
+def test_the_steps_kept_are_a_longest_run_in_the_models_order(order, rng):
+    """Against brute force on short inputs, and in order on any: what the alignment keeps never
+    goes back in the model, and no longer such run exists."""
+    from memcompile.passes.calibration import _in_model_order, _longest_not_decreasing
+
+    run = _longest_not_decreasing(order)
+    assert run == sorted(run) and all(order[a] <= order[b] for a, b in zip(run, run[1:]))
+    if len(order) <= 12:
+        from itertools import combinations
+        best = max((len(c) for k in range(len(order) + 1) for c in combinations(range(len(order)), k)
+                    if all(order[a] <= order[b] for a, b in zip(c, c[1:]))), default=0)
+        assert len(run) == best
+    keys = [("backward", f"n{t}") for t in range(31)]
+    phases = ["forward", "backward"]
+    checked = [(rng.choice(phases), f"n{t}", t) for t in order]
+    kept = _in_model_order(keys, checked)
+    assert all(phase == "backward" for phase, _, _ in kept)  # no forward step of that name
+    assert [int(n[1:]) for _, n, _ in kept] == sorted(int(n[1:]) for _, n, _ in kept)

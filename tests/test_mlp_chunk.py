@@ -197,6 +197,54 @@ def test_auto_chunks_the_mlps_as_coarsely_as_the_budget_allows() -> None:
     torch.compiler.reset()
 
 
+@pytest.mark.parametrize("finer_is_cheaper", [False, True])
+def test_a_coarse_plan_that_costs_more_than_finer_chunking_is_weighed_against_the_finest(monkeypatch,
+                                                                                        finer_is_cheaper) -> None:
+    """Where the MLPs in 2 chunks fit, their plan is compiled unless it recomputes more than
+    chunking them finer would cost beyond it: then the finest graph is planned too and the faster
+    of the two plans, with what its chunking costs, is compiled. Here the 2-chunk graph fits with
+    nothing recomputed: at the estimated costs (more chunks cost more) it is compiled without
+    planning the finest; with finer chunks priced cheaper, it is weighed, and the finest (also
+    recomputing nothing) compiled, within the budget and with the same gradients."""
+    from memcompile import backend as backend_module
+    from memcompile.passes.mlp_chunk import MlpBlock
+
+    if finer_is_cheaper:
+        monkeypatch.setattr(MlpBlock, "added_time_s", lambda self, profile: -1e-3 * self.chunks)
+    weighed = []
+    original = backend_module._Region._plan_coarse
+
+    def plan_coarse(self, *args, **kwargs):
+        fitted, coarser = original(self, *args, **kwargs)
+        weighed.append(coarser)
+        return fitted, coarser
+
+    monkeypatch.setattr(backend_module._Region, "_plan_coarse", plan_coarse)
+    torch.manual_seed(2)
+    model = MlpStack(hidden=32, inner=512, depth=2, activation="gelu", gated=False, bias=True)
+    x = torch.randn(4, 64, 32)
+    whole_floor, _ = budget_range(model, x, chunk_mlp=False)
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    torch.compiler.reset()
+    backend, compiled = compile_under(model, whole_floor - 1)
+    got = grads(params, lambda: compiled(x))
+    plan = backend.plans[-1]
+    (coarser,) = weighed
+    if finer_is_cheaper:
+        assert coarser is not None and coarser.planned.plan.added_time_s == 0.0
+        assert _chunk_counts(plan) == [8, 8] and plan.added_time_s + plan.rewrite_time_s < coarser.total_s
+    else:
+        assert coarser is None and _chunk_counts(plan) == [2, 2]
+    assert plan.predicted_peak_bytes <= plan.step_budget_bytes
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    for p in params:
+        p.grad = None
+    assert memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes < whole_floor
+    torch.compiler.reset()
+
+
 @pytest.mark.inductor
 def test_inductor_meets_a_budget_only_the_chunked_mlps_fit() -> None:
     torch.manual_seed(1)
