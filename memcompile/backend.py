@@ -650,7 +650,9 @@ class _Region:
             try:
                 return self._plan_for_position(position, outside,
                                                lambda o, search=search, stop=stop: compile_for(o, search, stop_above_s=stop))
-            except _Planned:  # (only with a coarser plan to beat) the finest is no faster with its chunking
+            except _Planned:  # (asked for only with a coarser plan to beat: the finest is no faster)
+                if coarser is None:
+                    raise
                 return self._compile_coarse(coarser, position, outside, compile_for)
             except NoSolverPlanFits as no_fit:
                 if coarser is not None:
@@ -695,9 +697,9 @@ class _Region:
                 rewrite.kind, f"{reason}; at most {limit} chunks (the fewest tried that fit)")
             logs.rung(f"{rewrite.what} in at most {limit} chunks ({reason})")
             rewrite_s = self.rewrites.added_time_s(profile) if profile is not None else 0.0
-            before_s = rewrite_s - sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind)) \
-                if profile is not None else 0.0
-            stop = before_s + finest_s - rewrite_s if finest_s is not None else None
+            # what chunking finer costs beyond this: a plan recomputing more is weighed against it
+            stop = (finest_s - sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind))
+                    if profile is not None and finest_s is not None else None)
             try:
                 planned_fit = self._plan_for_position(position, outside,
                                                       lambda o, stop=stop: compile_for(o, False, stop_above_s=stop))
@@ -719,7 +721,7 @@ class _Region:
         """The coarser graph compiled to the plan made for it (_plan_coarse)."""
         self._restore(coarser.state)
         self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
-        logs.rung("the coarser chunking, compiled to its plan: the finest graph's plan is no faster")
+        logs.rung("the coarser chunking, compiled to its plan: the finest graph's plan is no faster, or none fits")
         return self._plan_for_position(position, outside, lambda o: compile_for(o, False, planned=coarser.planned.made))
 
     def _saved(self) -> _Saved:
