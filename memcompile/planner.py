@@ -1084,7 +1084,7 @@ class StockPartitions:
         held = self._held_at_forward_end.get(fraction, 0)
         if held > budget:
             log.debug("memcompile: stock partition at activation_memory_budget=%s: its forward ends holding %s, "
-                      "over the budget: not checked", fraction, format_bytes(held))
+                      "over %s: not checked", fraction, format_bytes(held), format_bytes(budget))
             return True
         return False
 

@@ -237,8 +237,8 @@ def test_a_partition_whose_forward_ends_over_the_budget_is_not_lowered():
 def test_what_a_partition_holds_as_its_forward_ends_only_spares_checks(checks_counts, held_share, budget,
                                                                         counted_first):
     """Where what each partition holds as its forward ends is known (at most its check), the
-    partitions it puts over the budget are not lowered, and the answer is as good: one that fits
-    wherever the same search without it found one, and never a slower one than it took."""
+    partitions it puts over the budget are not lowered, each partition is lowered at most once,
+    what is taken fits, and a partition is taken wherever the same search without it took one."""
     checked, counted = checks_counts
     held = {f: int(checked[f] * share) for f, share in zip(planner.STOCK_FRACTIONS, held_share)}
     stock, lowered = _partitions(checked, counted, held)
