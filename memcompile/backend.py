@@ -215,7 +215,7 @@ def _rewrite_first_reason(no_fit: NoSolverPlanFits, rewrite_first_s: float | Non
     if not no_fit.rewrite_first or rewrite_first_s is None:
         return None
     return (f"PyTorch's partition is over the budget, and chunking is estimated at "
-            f"{rewrite_first_s * 1e3:.2f} ms, less than a plan without it could save")
+            f"{rewrite_first_s * 1e3:.2f} ms in the fewest chunks it may take, less than a plan without it could save")
 
 
 def _symbol_sites(fake_inputs: Sequence[object]) -> tuple[tuple[int, int | None, object], ...]:
@@ -374,7 +374,8 @@ class _Region:
             first_reason = _rewrite_first_reason(no_fit, rewrite_first_s)
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=None, coarse=not cautious,
-                whole_floor_at_least=floor_at_least, first_reason=first_reason, profile=profile))
+                whole_floor_at_least=floor_at_least, first_reason=first_reason, profile=profile,
+                estimate=lambda: self._estimate_first_for(example_inputs, outside, search_least_peak=False)))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
@@ -558,12 +559,20 @@ class _Region:
         return sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, rewrite.pattern))
 
     def _cheap_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
-        """The estimated added time of the first pending rewrite where it is one also tried when a
-        plan fits without it (the loss head: Rewrite.when_faster); None otherwise."""
+        """The least estimated added time of the first pending rewrite, at any chunk count it may
+        take (Rewrite.room_limits, or the finest), where it is one also tried when a plan fits
+        without it (the loss head: Rewrite.when_faster); None otherwise. Its graph's plan takes the
+        fewest chunks it has room for (_rewritten_first): each chunk of a loss head streams its
+        weight again (GPT style file, 12 layers, 4 x 512: 16 chunks ~962 ms, 2 chunks ~146 ms,
+        against a 26.5 s step)."""
         pending = self._pending_rewrites()
         if not pending or not pending[0].when_faster:
             return None
-        return self._pending_cost_s(pending[0], example_inputs)
+        rewrite = pending[0]
+        profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
+        matches = find_matches(self.rewrites.gm.graph, rewrite.pattern)
+        return min(sum(x.added_time_s(profile) for x in (coarsened(matches, limit) if limit else matches))
+                   for limit in (None, *rewrite.room_limits))
 
     def _cheapest_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The least estimated added time of the pending rewrites also tried where a plan fits
@@ -601,7 +610,8 @@ class _Region:
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
                         whole_error: InfeasibleBudgetError | None, coarse: bool = True,
                         whole_floor_at_least: int = 0, only_last: bool = False,
-                        first_reason: str | None = None, profile: DeviceProfile | None = None) -> _Variant:
+                        first_reason: str | None = None, profile: DeviceProfile | None = None,
+                        estimate: Callable[[], _Planned] | None = None) -> _Variant:
         """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
         (None: its least peak not searched yet): apply the pending rewrites one at a time (the
         loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
@@ -621,9 +631,12 @@ class _Region:
         graphs before are not lowered again for a floor perhaps a partition's kernel order
         lower (GPT style, 12 layers, tied gradients accumulated: the chunked head's 0.4 partition
         checked 1004.05 MiB, the chunked MLPs' floor 1003.30 MiB). `first_reason`: why the first rewrite is applied
-        where not because no plan fits without it (PlanRequest.rewrite_first_s). Where a coarser
-        variant's plan recomputes more than the finest chunking would cost beyond it (`profile`'s
-        estimates), the finest graph is planned too and the faster of the two compiled (_Coarse)."""
+        where not because no plan fits without it (PlanRequest.rewrite_first_s); with `estimate`
+        (the plan of the graph as rewritten so far, made without lowering it) and `profile`, that
+        rewrite takes the fewest chunks its graph's plan has room for (_coarsened), as where it is
+        tried because estimated faster. Where a coarser variant's plan recomputes more than the
+        finest chunking would cost beyond it (`profile`'s estimates), the finest graph is planned
+        too and the faster of the two compiled (_Coarse)."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
         unsearched = [(self._saved(), whole_floor_at_least)] if deferred and not only_last else []
@@ -637,6 +650,7 @@ class _Region:
                 fitted, coarser = self._plan_coarse(rewrite, reason, position, outside, compile_for, profile)
                 if fitted is not None:
                     return fitted
+            before = self._saved()
             self._apply(rewrite)
             self.rewrites = self.rewrites.with_reason(rewrite.kind, reason)
             logs.rung(f"{rewrite.what} chunked ({reason})")
@@ -645,6 +659,21 @@ class _Region:
             search = not deferred or i == len(pending) - 1
             if only_last and not search:
                 continue
+            if i == 0 and first_reason and estimate is not None and profile is not None and rewrite.room_limits:
+                try:
+                    rewritten = estimate()
+                except NoSolverPlanFits as no_fit:
+                    unsearched.append((self._saved(), no_fit.floor_at_least))
+                    continue
+                except InfeasibleBudgetError as error:
+                    errors.append(error)
+                    continue
+                chosen, _ = self._coarsened(rewrite, before, rewritten, self.rewrites.added_time_s(profile), profile)
+                limit = self.rewrites.chunk_limits.get(rewrite.kind)
+                self.rewrites = self.rewrites.with_reason(
+                    rewrite.kind, reason + (f"; at most {limit} chunk{'s' if limit > 1 else ''}: the fewest its "
+                                            "plan has room for" if limit is not None else ""))
+                return self._plan_for_position(position, outside, lambda o, made=chosen.made: compile_for(o, planned=made))
             stop = (coarser.total_s - self.rewrites.added_time_s(profile)
                     if coarser is not None and profile is not None else None)
             try:

@@ -765,6 +765,7 @@ class StockPartitions:
     _partitions: dict = dataclasses.field(default_factory=dict, repr=False)
     _counts: dict = dataclasses.field(default_factory=dict, repr=False)
     _held_at_forward_end: dict = dataclasses.field(default_factory=dict, repr=False)  # (_over_without_check)
+    _ruled_out: set = dataclasses.field(default_factory=set, repr=False)  # fractions _over_without_check spared
     _fitted: dict = dataclasses.field(default_factory=dict, repr=False)  # fitting's answer per (budget, fractions)
     _made_as_stock: dict = dataclasses.field(default_factory=dict, repr=False)  # checked under Inductor's own rules
     _step_time_s: float | None = dataclasses.field(default=None, repr=False)
@@ -1048,8 +1049,14 @@ class StockPartitions:
         """The least `fraction`'s partition is expected to check at: its graph-order count scaled
         as the `checked` ones scaled their own (the least such scale), less
         _PARTITION_ESTIMATE_SLACK; None where no checked one or this one is counted (with `make`,
-        this one is made and counted first)."""
+        this one is made and counted first). A partition ruled out without its check scaled its
+        count at least as what it holds as its forward ends does: that scale stands in for the
+        check it was spared, so sparing it never raises another's estimate (checks {1.0: 51, 0.8:
+        50, 0.6: 51}, counts {1.0: 51, 0.8: 50, 0.6: 25}, budget 50: 0.6's check alone puts 0.8 at
+        85, the spared 1.0's at 41)."""
         scales = [peak / self._counts[f] for f, peak in checked.items() if self._counts.get(f)]
+        scales += [self._held_at_forward_end[f] / self._counts[f] for f in self._ruled_out
+                   if f not in checked and self._counts.get(f)]
         count = self._count_at(fraction) if make else self._counts.get(fraction)
         if not scales or count is None:
             return None
@@ -1083,6 +1090,7 @@ class StockPartitions:
             return False  # (one checked already is judged on its check)
         held = self._held_at_forward_end.get(fraction, 0)
         if held > budget:
+            self._ruled_out.add(fraction)
             log.debug("memcompile: stock partition at activation_memory_budget=%s: its forward ends holding %s, "
                       "over %s: not checked", fraction, format_bytes(held), format_bytes(budget))
             return True

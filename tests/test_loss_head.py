@@ -461,10 +461,10 @@ def _head_bound_lm() -> tuple[TinyLM, torch.Tensor]:
     return model, torch.randint(0, 1024, (4, 128))
 
 
-def _fixed_cpu_profile(monkeypatch) -> None:
+def _fixed_cpu_profile(monkeypatch, bytes_per_s: float = 9.8e10) -> None:
     """Ops costed by a fixed CPU profile, not timed or measured: a loaded machine's numbers would
     move choices these tests pin down by their rule, not the clock."""
-    fixed = DeviceProfile("cpu", 3.1e11, 9.8e10, 0.0, 2e-6, times_ops=False)
+    fixed = DeviceProfile("cpu", 3.1e11, bytes_per_s, 0.0, 2e-6, times_ops=False)
     monkeypatch.setattr(device_module, "measure_cpu_profile", lambda: fixed)
 
 
@@ -985,6 +985,42 @@ def test_where_the_default_partition_is_over_and_the_head_is_cheap_the_chunked_h
     assert "less than a plan without it could save" in plan.graph_rewrites[0]
     assert plan.solver_status.startswith("stock_partition (activation_memory_budget=1.0)")
     assert searched == []  # neither graph needed more than its default partition
+    _assert_same(got, grads(params, lambda: model(ids)), low_precision=False)
+    measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
+    assert measured.peak_bytes <= budget
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize(("room", "chunks"), [(35_000_000, 2), (21_000_000, 4)])
+def test_a_head_cheap_in_its_fewest_chunks_is_planned_first_in_the_fewest_its_plan_has_room_for(
+        monkeypatch, room, chunks) -> None:
+    """The head in 16 chunks (its finest: a vocabulary 64x the hidden size) is estimated at 7.3 ms,
+    over STOCK_SOLVE_ABOVE (2%) of this step's 90 ms estimate, in 1 chunk at ~1 ms, under it.
+    Where PyTorch's default partition of the graph as written is over the budget, that graph is
+    not searched (no partitions of it made): the chunked head's graph is planned, and its plan
+    takes the fewest chunks it has room for under the budget (each chunk streams the weight again;
+    a coarser one holds a larger slice of the logits)."""
+    _fixed_cpu_profile(monkeypatch, bytes_per_s=4e11)
+    torch.manual_seed(0)
+    model = TinyLM(vocab=16384, hidden=256, depth=2, bias=True, upcast=False, reduction="mean", ignore_index=-100)
+    ids = torch.randint(0, 16384, (8, 128))
+    params = list(model.parameters())
+    backend, compiled = compile_under(model, 10**12, codegen="inductor", chunk_loss=True, chunk_mlp=False)
+    compiled(ids).backward()
+    (finest,) = backend.plans
+    assert "chunked into 16" in finest.graph_rewrites[0]
+    budget = finest.predicted_peak_bytes + finest.reserve_bytes + room
+    torch.compiler.reset()
+    model.zero_grad(set_to_none=True)
+
+    partitioned = _calls_with_the_head_chunked(monkeypatch, "_stock_partitions")
+    backend, compiled = compile_under(model, budget, codegen="inductor", chunk_mlp=False, plan_store=False)
+    got = grads(params, lambda: compiled(ids))
+    (plan,) = backend.plans
+    assert f"chunked into {chunks} " in plan.graph_rewrites[0]
+    assert "in the fewest chunks it may take, less than a plan without it could save" in plan.graph_rewrites[0]
+    assert f"at most {chunks} chunks: the fewest its plan has room for" in plan.graph_rewrites[0]
+    assert False not in partitioned  # the graph as written: its default partition only
     _assert_same(got, grads(params, lambda: model(ids)), low_precision=False)
     measured = memcompile.measure_peak(lambda: compiled(ids).backward(), live_at_start=[model, ids])
     assert measured.peak_bytes <= budget

@@ -238,11 +238,9 @@ def test_what_a_partition_holds_as_its_forward_ends_only_spares_checks(checks_co
                                                                         counted_first):
     """Where what each partition holds as its forward ends is known (at most its check), the
     partitions it puts over the budget are not lowered, each partition is lowered at most once,
-    and what is taken fits. (Not asserted: that a partition is taken wherever the search without
-    it took one. A check it spares can be the one whose scale put another partition's estimate
-    within the budget: checks {1.0: 51, 0.8: 50, 0.6: 51, 0.4: 50}, counts {1.0: 51, 0.8: 50,
-    0.6: 25, 0.4: 50}, budget 50: without it 1.0's check scales 0.8's estimate under 50 and 0.8
-    fits; with 1.0 ruled out, 0.6's check alone puts 0.8's estimate at 85.)"""
+    what is taken fits, and one is taken wherever the search without it took one. (A check it
+    spares can be the one whose scale put another partition's estimate within the budget, as in
+    test_a_spared_check_still_scales_the_estimates.)"""
     checked, counted = checks_counts
     held = {f: int(checked[f] * share) for f, share in zip(planner.STOCK_FRACTIONS, held_share)}
     stock, lowered = _partitions(checked, counted, held)
@@ -255,6 +253,22 @@ def test_what_a_partition_holds_as_its_forward_ends_only_spares_checks(checks_co
     least = stock.least_peak_at_least()
     assert least <= min((checked[f] for f in fractions_lowered), default=least)
     assert least >= min(held.values())  # known for every partition: never "not known"
+    plain, _ = _partitions(checked, counted)
+    if plain.fitting(budget, counted_first=counted_first) is not None:
+        assert chosen is not None  # the only partitions it rules out are over the budget
+
+
+def test_a_spared_check_still_scales_the_estimates():
+    # Without the forward-end bound the default partition is checked (51, over), its scale puts
+    # 0.8's estimate within the budget, and 0.8 fits. With 1.0 ruled out on what it holds (51),
+    # 0.6's check alone (51 on a count of 25) would put 0.8's at 85: what 1.0 holds scales it.
+    checked = {1.0: 51, 0.8: 50, 0.6: 51, 0.4: 50}
+    counted = {1.0: 51, 0.8: 50, 0.6: 25, 0.4: 50}
+    held = {1.0: 51, 0.8: 40, 0.6: 40, 0.4: 40}
+    stock, lowered = _partitions(checked, counted, held)
+    chosen = stock.fitting(50, counted_first=True)
+    assert chosen is not None and chosen.solution.fraction == 0.8
+    assert 1.0 not in lowered and ("stock", 1.0) not in lowered
 
 
 @pytest.mark.inductor  # the check lowers and schedules with Inductor
