@@ -730,8 +730,12 @@ class _Region:
             stop = (finest_s - sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind))
                     if profile is not None and finest_s is not None else None)
             try:
-                planned_fit = self._plan_for_position(position, outside,
-                                                      lambda o, stop=stop: compile_for(o, False, stop_above_s=stop))
+                # The finest chunking's plan recomputes no more than this one's (it holds less), so
+                # this graph beats it by at most `stop`: where PyTorch's default partition of it is
+                # over the budget and `stop` is within noise of the step, it is not searched (as a
+                # cheap rewrite is applied first: PlanRequest.rewrite_first_s).
+                planned_fit = self._plan_for_position(
+                    position, outside, lambda o, stop=stop: compile_for(o, False, stop_above_s=stop, rewrite_first_s=stop))
                 return planned_fit, None
             except _Planned as planned:
                 log.debug("memcompile: with %s in at most %d chunks the plan adds %.2f ms, more than chunking finer "

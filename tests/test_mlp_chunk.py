@@ -197,6 +197,56 @@ def test_auto_chunks_the_mlps_as_coarsely_as_the_budget_allows() -> None:
     torch.compiler.reset()
 
 
+@pytest.mark.inductor  # PyTorch's partitions are candidates under Inductor only
+@pytest.mark.parametrize("per_chunk_s", [1e-9, 1.0])
+def test_a_coarse_chunking_that_can_gain_only_noise_over_the_finest_is_not_searched(monkeypatch,
+                                                                                    per_chunk_s) -> None:
+    """The finest chunking's plan recomputes no more than a coarser one's (it holds less), so the
+    2-chunk graph can beat it by at most what the finer chunks cost beyond it. Where that is within
+    noise of the step (chunks priced at 1 ns) and PyTorch's default partition of the 2-chunk graph
+    is over the budget, that graph is neither partitioned nor solved: the finest is planned. Where
+    finer chunks are priced high (1 s each), the 2-chunk graph is searched as before."""
+    from memcompile import planner
+    from memcompile.passes.mlp_chunk import MlpBlock
+
+    monkeypatch.setattr(MlpBlock, "added_time_s", lambda self, profile: per_chunk_s * self.chunks)
+    torch.manual_seed(2)
+    model = MlpStack(hidden=32, inner=512, depth=2, activation="gelu", gated=False, bias=True)
+    x = torch.randn(4, 64, 32)
+    backend, compiled = compile_under(model, 10**12, codegen="inductor", chunk_mlp=True)
+    compiled(x).backward()
+    (finest,) = backend.plans
+    assert _chunk_counts(finest) == [8, 8]
+    budget = finest.predicted_peak_bytes + finest.reserve_bytes  # its default partition: 2 chunks are over
+    torch.compiler.reset()
+    model.zero_grad(set_to_none=True)
+    searched: list[int] = []  # rows per chunk of each graph partitioned or solved (0: not chunked)
+    for name in ("_stock_partitions", "_new_replanner"):
+        original = getattr(planner, name)
+
+        def recording(joint, *args, _original=original, **kwargs):
+            rows = [a for n in joint.graph.nodes if "chunked_mlp" in str(n.target) for a in n.args if isinstance(a, int)]
+            searched.append(rows[0] if rows else 0)
+            return _original(joint, *args, **kwargs)
+
+        monkeypatch.setattr(planner, name, recording)
+    params = list(model.parameters())
+    eager = grads(params, lambda: model(x))
+    backend, compiled = compile_under(model, budget, codegen="inductor", plan_store=False)
+    got = grads(params, lambda: compiled(x))
+    plan = backend.plans[-1]
+    two_chunks = 256 // 2  # rows per chunk
+    assert (two_chunks in searched) == (per_chunk_s > 1e-3), searched
+    if per_chunk_s < 1e-3:
+        assert _chunk_counts(plan) == [8, 8]
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    for p in params:
+        p.grad = None
+    assert memcompile.measure_peak(lambda: compiled(x).backward(), live_at_start=[model, x]).peak_bytes <= budget
+    torch.compiler.reset()
+
+
 @pytest.mark.parametrize("finer_is_cheaper", [False, True])
 def test_a_coarse_plan_that_costs_more_than_finer_chunking_is_weighed_against_the_finest(monkeypatch,
                                                                                         finer_is_cheaper) -> None:

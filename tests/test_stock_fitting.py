@@ -167,6 +167,10 @@ def test_counted_first_takes_what_fits_and_checks_each_once(checks_counts, budge
     checked, counted = checks_counts
     stock, lowered = _partitions(checked, counted)
     chosen = stock.fitting(budget, counted_first=True)
+    if min(counted.values()) > budget * (1 + planner._COUNT_OVER_CHECK):
+        # every count over the budget by more than a count was seen over its check: none lowered
+        assert chosen is None and lowered == []
+        return
     # each check once: the default partition at most once under Inductor's rules, once under ours
     assert len(lowered) == len(set(lowered)) and len(lowered) <= len(fractions) + 1
     fractions_lowered = [f[1] if isinstance(f, tuple) else f for f in lowered]
@@ -182,6 +186,21 @@ def test_counted_first_takes_what_fits_and_checks_each_once(checks_counts, budge
     else:
         assert lowered[0] == ("stock", 1.0)  # as plain Inductor compiles it
     assert stock.least_peak_at_least() <= min(checked[f] for f in fractions_lowered)
+
+
+def test_partitions_counted_far_over_the_budget_are_not_lowered():
+    # The GPT style file's chunked-head graph (12 layers, 4 x 512) at a budget near its floor: 1.0,
+    # 0.8 and 0.6 hold more than the budget as their forwards end; 0.4, within it there, counts 1.55x
+    # the budget, more than any count was seen over its check (its check: 2.31 GB).
+    checked = {1.0: 2_500_000_000, 0.8: 2_050_000_000, 0.6: 2_250_000_000, 0.4: 2_309_000_000}
+    counted = {1.0: 2_455_189_516, 0.8: 2_002_397_196, 0.6: 2_213_812_752, 0.4: 2_296_740_368}
+    held = {1.0: 2_294_364_172, 0.8: 1_841_571_852, 0.6: 1_604_069_388, 0.4: 1_402_742_796}
+    stock, lowered = _partitions(checked, counted, held)
+    assert stock.fitting(1_478_872_070, counted_first=True) is None and lowered == []
+    assert stock.least_peak_at_least() == held[0.4]
+    # within that factor of the budget, the least count is checked as before
+    stock, lowered = _partitions(checked, counted, held)
+    assert stock.fitting(1_600_000_000, counted_first=True) is None and lowered == [0.4]
 
 
 def test_a_partition_checked_at_another_budget_is_taken_where_it_fits():
