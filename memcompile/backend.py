@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -69,6 +68,9 @@ class _CompileRecord:
     # raise _Planned with the plan as soon as it is made where it is estimated to add more than
     # this (-inf: always): the region compares it with a rewritten graph's before lowering either
     stop_above_s: float | None = None
+    # raise _Planned where this says so of the plan just made; else the compile goes on to lower
+    # it (the region weighs the plan before the graph it was made on is traced again)
+    stop_if: Callable[[_Planned], bool] | None = None
 
 
 class _Planned(Exception):
@@ -139,11 +141,14 @@ class Partitioner(tp.PartitionerBase):
         primals = sum(map(tp.is_primal, gm.graph.find_nodes(op="placeholder")))
         if record is not None and len(record.input_names) == primals:  # primals_N: the N-th graph input
             plan = dataclasses.replace(plan, peak_tensors=with_input_names(plan.peak_tensors, record.input_names))
-        if record is not None and record.stop_above_s is not None and plan.added_time_s > record.stop_above_s:
+        if record is not None and (record.stop_above_s is not None or record.stop_if is not None):
             request = record.request
             replanner = request.replanner if request is not None else None
-            raise _Planned(plan, request.made if request is not None else None,
-                           replanner.made if isinstance(replanner, DeferredReplanner) else replanner)
+            planned = _Planned(plan, request.made if request is not None else None,
+                               replanner.made if isinstance(replanner, DeferredReplanner) else replanner)
+            if ((record.stop_above_s is not None and plan.added_time_s > record.stop_above_s)
+                    or (record.stop_if is not None and record.stop_if(planned))):
+                raise planned
         if record is not None:
             record.plan = plan
             record.inputs = inputs
@@ -356,7 +361,9 @@ class _Region:
             except _Planned as planned:
                 traced = planned
             self.rewrites = dataclasses.replace(self.rewrites, gm=self.rewrites.fresh_graph())
-            chosen = self._rewritten_if_estimated_faster(traced, example_inputs, o)
+            chosen = self._rewritten_if_estimated_faster(traced, example_inputs, o, compile_for)
+            if isinstance(chosen, _Variant):
+                return chosen
             if chosen is not traced:
                 return compile_for(o, planned=chosen.made)
             logs.rung("the graph as traced, compiled to the plan it was estimated with")
@@ -374,8 +381,7 @@ class _Region:
             first_reason = _rewrite_first_reason(no_fit, rewrite_first_s)
             self._first = self._refused_or(refused_key, lambda: self._plan_rewritten(
                 position, outside, compile_for, whole_error=None, coarse=not cautious,
-                whole_floor_at_least=floor_at_least, first_reason=first_reason, profile=profile,
-                estimate=lambda: self._estimate_first_for(example_inputs, outside, search_least_peak=False)))
+                whole_floor_at_least=floor_at_least, first_reason=first_reason, profile=profile))
         except InfeasibleBudgetError as error:
             if not self._pending_rewrites():
                 raise
@@ -413,9 +419,10 @@ class _Region:
     def _compile_first_for(self, example_inputs: Sequence[Any], cautious: bool, outside: int,
                            search_least_peak: bool = True, partitions_only: bool = False,
                            rewrite_first_s: float | None = None, stop_above_s: float | None = None,
-                           planned: PlannedGraph | None = None) -> _Variant:
+                           planned: PlannedGraph | None = None,
+                           stop_if: Callable[[_Planned], bool] | None = None) -> _Variant:
         """One compile of the first call's graph as rewritten so far, beside `outside` (with
-        `stop_above_s`: see _compile; `planned`: PlanRequest.planned)."""
+        `stop_above_s`, `stop_if`: see _compile; `planned`: PlanRequest.planned)."""
         backend = self.backend
         kind = _PlannedFor.LEAST if cautious else _PlannedFor.OUTSIDE
         variant = self._compile((kind, outside, self._sizes_key()), outside, self.rewrites.gm, example_inputs,
@@ -423,25 +430,21 @@ class _Region:
                                             partitions_only=partitions_only, rewrite_first_s=rewrite_first_s,
                                             defer_check=backend.options.codegen == "inductor"
                                             and not backend.plan_only, planned=planned),
-                                autograd_cache=not cautious, stop_above_s=stop_above_s)
+                                autograd_cache=not cautious, stop_above_s=stop_above_s, stop_if=stop_if)
         # the request the kept compile made (a ladder replays it)
         self.rewrites = dataclasses.replace(self.rewrites, searched_least_peak=search_least_peak)
         return variant
 
-    def _estimate_first_for(self, example_inputs: Sequence[Any], outside: int, search_least_peak: bool) -> _Planned:
-        """The plan the first call's graph as rewritten so far would compile with (not cautious),
-        beside `outside`, made without lowering it (_estimate)."""
-        return self._estimate(outside, example_inputs, PlanRequest(
-            search_least_peak=search_least_peak, defer_check=self.backend.options.codegen == "inductor"))
-
-    def _rewritten_if_estimated_faster(self, estimate: _Planned, example_inputs: Sequence[Any],
-                                       outside: int) -> _Planned:
+    def _rewritten_if_estimated_faster(self, estimate: _Planned, example_inputs: Sequence[Any], outside: int,
+                                       compile_for: Callable[..., _Variant]) -> _Planned | _Variant:
         """Where the plan of the graph as it is (`estimate`) recomputes: each "auto" rewrite also
         tried where a plan fits without it (Rewrite.when_faster: the loss head), applied if the
         rewritten graph's plan plus what the rewrite itself costs is estimated faster. Both graphs
         are compared on their plans before either is lowered: the one not taken is never
-        compiled. Returns the estimate of the graph the region has now (`estimate` itself where
-        no rewrite was applied), for the caller to compile to that plan.
+        compiled. The rewritten graph's compile (`compile_for`) goes on to lower its plan where
+        that is taken as it is (no coarser chunk count): its variant is returned. Else returns the
+        estimate of the graph the region has now (`estimate` itself where no rewrite was
+        applied), for the caller to compile to that plan.
         A chunked loss head never holds the logits whole, chunked MLPs never their intermediate
         activations, so the rest of the step has more room (GPT-2 small at 13.20 MiB: PyTorch's 0.4
         partition with the head whole ran 1.11x the step, the chunked head with the 0.8 partition
@@ -455,12 +458,26 @@ class _Region:
             saved = self._saved()
             self._apply(rewrite)
             logs.rung(f"{rewrite.what} chunked (is it faster than recomputing?)")
+            # the reason it is kept where its compile goes on (restored with the rest where not)
+            self.rewrites = self.rewrites.with_reason(
+                rewrite.kind, f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
+                              f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
+            weighed: list[tuple[_Planned, float]] = []
+
+            def stop_unless_taken(planned: _Planned, rewrite: Rewrite = rewrite, saved: _Saved = saved,
+                                  rewrite_s: float = rewrite_s, added_s: float = added_s,
+                                  weighed: list[tuple[_Planned, float]] = weighed) -> bool:
+                chosen, cost_s = self._coarsened(rewrite, saved, planned, rewrite_s, profile)
+                weighed.append((chosen, cost_s))
+                return chosen is not planned or chosen.plan.added_time_s + cost_s >= added_s
+
+            rewritten: _Planned | None = None
             try:
-                rewritten: _Planned | None = self._estimate_first_for(example_inputs, outside, search_least_peak=False)
+                return compile_for(outside, False, stop_if=stop_unless_taken)
+            except _Planned:
+                rewritten, rewrite_s = weighed[-1]
             except (NoSolverPlanFits, InfeasibleBudgetError):
-                rewritten = None
-            if rewritten is not None:
-                rewritten, rewrite_s = self._coarsened(rewrite, saved, rewritten, rewrite_s, profile)
+                pass
             if rewritten is not None and rewritten.plan.added_time_s + rewrite_s < added_s:
                 limit = self.rewrites.chunk_limits.get(rewrite.kind)
                 reason = (f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
@@ -610,8 +627,7 @@ class _Region:
     def _plan_rewritten(self, position: int, outside: int, compile_for: Callable[..., _Variant],
                         whole_error: InfeasibleBudgetError | None, coarse: bool = True,
                         whole_floor_at_least: int = 0, only_last: bool = False,
-                        first_reason: str | None = None, profile: DeviceProfile | None = None,
-                        estimate: Callable[[], _Planned] | None = None) -> _Variant:
+                        first_reason: str | None = None, profile: DeviceProfile | None = None) -> _Variant:
         """No plan fits the graph as it is (`whole_error`, its smallest budget), or no solver plan
         (None: its least peak not searched yet): apply the pending rewrites one at a time (the
         loss head, then the MLPs) and plan each graph. Without `whole_error`, only the last graph
@@ -631,12 +647,13 @@ class _Region:
         graphs before are not lowered again for a floor perhaps a partition's kernel order
         lower (GPT style, 12 layers, tied gradients accumulated: the chunked head's 0.4 partition
         checked 1004.05 MiB, the chunked MLPs' floor 1003.30 MiB). `first_reason`: why the first rewrite is applied
-        where not because no plan fits without it (PlanRequest.rewrite_first_s); with `estimate`
-        (the plan of the graph as rewritten so far, made without lowering it) and `profile`, that
-        rewrite takes the fewest chunks its graph's plan has room for (_coarsened), as where it is
-        tried because estimated faster. Where a coarser variant's plan recomputes more than the
-        finest chunking would cost beyond it (`profile`'s estimates), the finest graph is planned
-        too and the faster of the two compiled (_Coarse)."""
+        where not because no plan fits without it (PlanRequest.rewrite_first_s); with `profile`,
+        that rewrite takes the fewest chunks its graph's plan has room for (_coarsened, as where it
+        is tried because estimated faster): its compile stops once the plan is made only where a
+        coarser count is taken (_CompileRecord.stop_if), else it goes on to lower that plan.
+        Where a coarser variant's plan recomputes more than the finest chunking would cost beyond
+        it (`profile`'s estimates), the finest graph is planned too and the faster of the two
+        compiled (_Coarse)."""
         deferred = whole_error is None
         errors = [] if deferred else [whole_error]
         unsearched = [(self._saved(), whole_floor_at_least)] if deferred and not only_last else []
@@ -659,16 +676,27 @@ class _Region:
             search = not deferred or i == len(pending) - 1
             if only_last and not search:
                 continue
-            if i == 0 and first_reason and estimate is not None and profile is not None and rewrite.room_limits:
+            if i == 0 and first_reason and profile is not None and rewrite.room_limits:
+                coarser_plans: list[_Planned] = []
+
+                def coarser_taken(planned: _Planned, rewrite: Rewrite = rewrite, before: _Saved = before,
+                                  profile: DeviceProfile = profile, coarser_plans: list[_Planned] = coarser_plans) -> bool:
+                    # the plan made: compiled as it is unless fewer chunks are estimated faster
+                    chosen, _ = self._coarsened(rewrite, before, planned, self.rewrites.added_time_s(profile), profile)
+                    coarser_plans.append(chosen)
+                    return chosen is not planned
+
                 try:
-                    rewritten = estimate()
+                    return self._plan_for_position(position, outside,
+                                                   lambda o, stop_if=coarser_taken: compile_for(o, False, stop_if=stop_if))
+                except _Planned:
+                    chosen = coarser_plans[-1]
                 except NoSolverPlanFits as no_fit:
                     unsearched.append((self._saved(), no_fit.floor_at_least))
                     continue
                 except InfeasibleBudgetError as error:
                     errors.append(error)
                     continue
-                chosen, _ = self._coarsened(rewrite, before, rewritten, self.rewrites.added_time_s(profile), profile)
                 limit = self.rewrites.chunk_limits.get(rewrite.kind)
                 self.rewrites = self.rewrites.with_reason(
                     rewrite.kind, reason + (f"; at most {limit} chunk{'s' if limit > 1 else ''}: the fewest its "
@@ -835,23 +863,6 @@ class _Region:
                                       options_text=options.describe(), request_text=asked,
                                       environment_text=planning_environment(device))
 
-    def _estimate(self, outside: int, example_inputs: Sequence[Any], request: PlanRequest) -> _Planned:
-        """The plan a compile of the graph as rewritten so far would make, beside `outside`,
-        made without lowering the graph: traced, partitioned and planned, its plan chosen on the
-        model where the request defers the check to the compile's schedule (PlanRequest.defer_check).
-        Raises what planning raises (NoSolverPlanFits, InfeasibleBudgetError). Its `made` (a
-        PlannedGraph) compiles the same graph to that plan without searching again
-        (PlanRequest.planned)."""
-        options, record = self._compile_setup(outside, self.rewrites.gm, example_inputs, request)
-        record.stop_above_s = -math.inf
-        try:
-            with self._compiling(options, record, example_inputs):
-                self.backend.compile_graph(self.rewrites.fresh_graph(), example_inputs, options)
-        except _Planned as planned:
-            return planned
-        raise PlanningFailedError(f"memcompile: estimating {self.rewrites.described() or 'a graph'}: "
-                                  "no joint graph reached the partitioner (no gradient?)")
-
     def _compile_setup(self, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
                        request: PlanRequest) -> tuple[Options, _CompileRecord]:
         """The options a compile beside `outside` plans with, and the record its partitioner fills."""
@@ -887,11 +898,14 @@ class _Region:
             _RECORD.reset(token)
 
     def _compile(self, key: tuple, outside: int, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                 request: PlanRequest, autograd_cache: bool = False, stop_above_s: float | None = None) -> _Variant:
+                 request: PlanRequest, autograd_cache: bool = False, stop_above_s: float | None = None,
+                 stop_if: Callable[[_Planned], bool] | None = None) -> _Variant:
         """One compile; with `stop_above_s`, _Planned instead where the plan is estimated to add
-        more than that (nothing lowered: _CompileRecord.stop_above_s)."""
+        more than that, with `stop_if`, where it says so of the plan (nothing lowered:
+        _CompileRecord.stop_above_s, stop_if)."""
         options, record = self._compile_setup(outside, gm, example_inputs, request)
         record.stop_above_s = stop_above_s
+        record.stop_if = stop_if
         schedules: list[tp.CompiledSchedule] = []  # the compile's own, for a plan chosen on a bound
         cache_key = self._compiled_key(options, request, gm, example_inputs) if autograd_cache else None
         with self._compiling(options, record, example_inputs):

@@ -1219,8 +1219,8 @@ class PlanRequest:
     # the step, NoSolverPlanFits at once (with search_least_peak False): no plan of this graph can
     # save more than noise against the rewritten one
     rewrite_first_s: float | None = None
-    # a plan an earlier planning of the same graph made (the region's estimate, made without
-    # lowering: backend._Region._estimate): compiled as it is, its check deferred as it was
+    # a plan an earlier planning of the same graph made (one the region weighed before lowering
+    # it: backend._CompileRecord.stop_above_s, stop_if): compiled as it is, its check deferred as it was
     planned: "PlannedGraph | None" = None
     replanner: "Replanner | None" = None  # out: plans this graph at other budgets without tracing again
     solution: ActivationSolution | StockSolution | None = None  # out: the decisions the plan runs
