@@ -420,3 +420,36 @@ def test_the_smallest_budget_is_never_above_a_checked_pytorch_partition(monkeypa
         torch.compile(model, backend=backend)(x).sum().backward()
     assert partitions
     assert error.value.min_feasible_bytes - backend.options.reserve_bytes <= min(partitions)
+
+
+class _NotRepaired(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("saved", "tried"), [(1_576_960, False), (99_894_271, False), (99_894_272, True),
+                                              (300_000_000, True)])
+def test_a_check_peak_holding_fewer_saved_activations_than_it_is_over_is_not_repaired(monkeypatch, saved, tried):
+    """As on the GPT style file (12 layers, 1 x 256, head whole, at its floor): the check's peak, in
+    the head's backward, is 99,894,272 B over the budget and holds 1.6 MB of saved activations; no
+    recomputation lowers that step, so no repair is checked. Where the saved bytes there cover
+    what it is over, the repair goes on to look for moves (here: the model's steps, stopped)."""
+    from memcompile.passes.liveness import SAVED, LiveStep, LivenessTimeline
+
+    budget = 1_053_600_776
+    peak = budget + 99_894_272
+    breakdown = (("parameters_and_inputs", 497_907_712), (SAVED, saved), ("temporaries", peak - 497_907_712 - saved))
+    timeline = LivenessTimeline((LiveStep("backward", "mm_1", peak),), 497_907_712, peak, 0, breakdown)
+    attempt = planner._Attempt(None, None, None, timeline)
+
+    def stop(*args, **kwargs):
+        raise _NotRepaired
+
+    monkeypatch.setattr(planner, "_model_steps", stop)
+    monkeypatch.setattr(planner, "_rewrite_and_check", stop)
+    replanner = planner.Replanner.__new__(planner.Replanner)
+    replanner.analysis = None
+    if tried:
+        with pytest.raises(_NotRepaired):
+            replanner._repair_on_check(None, attempt, budget)
+    else:
+        assert replanner._repair_on_check(None, attempt, budget) is None
