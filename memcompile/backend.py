@@ -579,7 +579,7 @@ class _Region:
         """The least estimated added time of the first pending rewrite, at any chunk count it may
         take (Rewrite.room_limits, or the finest), where it is one also tried when a plan fits
         without it (the loss head: Rewrite.when_faster); None otherwise. Its graph's plan takes the
-        fewest chunks it has room for (_rewritten_first): each chunk of a loss head streams its
+        fewest chunks it has room for (_plan_rewritten): each chunk of a loss head streams its
         weight again (GPT style file, 12 layers, 4 x 512: 16 chunks ~962 ms, 2 chunks ~146 ms,
         against a 26.5 s step)."""
         pending = self._pending_rewrites()
