@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -221,6 +222,12 @@ def _rewrite_first_reason(no_fit: NoSolverPlanFits, rewrite_first_s: float | Non
         return None
     return (f"PyTorch's partition is over the budget, and chunking is estimated at "
             f"{rewrite_first_s * 1e3:.2f} ms in the fewest chunks it may take, less than a plan without it could save")
+
+
+def _chunked_cost_s(matches: Sequence[Any], limit: int | None, profile: DeviceProfile) -> float:
+    """What a rewrite's matches are estimated to add to the step in at most `limit` chunks (None:
+    as matched, the finest)."""
+    return sum(x.added_time_s(profile) for x in (coarsened(tuple(matches), limit) if limit else matches))
 
 
 def _symbol_sites(fake_inputs: Sequence[object]) -> tuple[tuple[int, int | None, object], ...]:
@@ -462,18 +469,10 @@ class _Region:
             self.rewrites = self.rewrites.with_reason(
                 rewrite.kind, f"estimated faster: recompute {added_s * 1e3:.2f} ms without it, "
                               f"chunking ~{rewrite_s * 1e3:.2f} ms plus this plan's recomputation")
-            weighed: list[tuple[_Planned, float]] = []
-
-            def stop_unless_taken(planned: _Planned, rewrite: Rewrite = rewrite, saved: _Saved = saved,
-                                  rewrite_s: float = rewrite_s, added_s: float = added_s,
-                                  weighed: list[tuple[_Planned, float]] = weighed) -> bool:
-                chosen, cost_s = self._coarsened(rewrite, saved, planned, rewrite_s, profile)
-                weighed.append((chosen, cost_s))
-                return chosen is not planned or chosen.plan.added_time_s + cost_s >= added_s
-
+            stop_if, weighed = self._weighing_chunk_counts(rewrite, saved, rewrite_s, profile, to_beat_s=added_s)
             rewritten: _Planned | None = None
             try:
-                return compile_for(outside, False, stop_if=stop_unless_taken)
+                return compile_for(outside, False, stop_if=stop_if)
             except _Planned:
                 rewritten, rewrite_s = weighed[-1]
             except (NoSolverPlanFits, InfeasibleBudgetError):
@@ -493,6 +492,22 @@ class _Region:
             logs.rung(f"not chunking {rewrite.what}: not estimated faster")
             self._restore(saved)
         return estimate
+
+    def _weighing_chunk_counts(self, rewrite: Rewrite, before: _Saved, rewrite_s: float, profile: DeviceProfile,
+                               to_beat_s: float = math.inf
+                               ) -> tuple[Callable[[_Planned], bool], list[tuple[_Planned, float]]]:
+        """A `stop_if` for the compile of the graph `rewrite` was just applied to (from `before`,
+        costing `rewrite_s`): its plan weighed in fewer chunks (_coarsened), the compile going on
+        where the plan is taken as it is and, with the rewrite's cost, under `to_beat_s`; and the
+        list it appends each weighing to (the plan chosen, the rewrite's cost at its count)."""
+        weighed: list[tuple[_Planned, float]] = []
+
+        def stop_if(planned: _Planned) -> bool:
+            chosen, cost_s = self._coarsened(rewrite, before, planned, rewrite_s, profile)
+            weighed.append((chosen, cost_s))
+            return chosen is not planned or chosen.plan.added_time_s + cost_s >= to_beat_s
+
+        return stop_if, weighed
 
     def _coarsened(self, rewrite: Rewrite, before: _Saved, rewritten: _Planned, rewrite_s: float,
                    profile: DeviceProfile) -> tuple[_Planned, float]:
@@ -522,7 +537,7 @@ class _Region:
         best = _Coarsening(plan.added_time_s + rewrite_s, None, rewritten, rewrite_s, 0)
         for limit in sorted((x for x in rewrite.room_limits if x < finest), reverse=True):  # more chunks first
             grown = rewrite.workspace_bytes(graph, limit) - held
-            cost = sum(x.added_time_s(profile) for x in coarsened(matches, limit))
+            cost = _chunked_cost_s(matches, limit, profile)
             if grown <= room:
                 raised = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes + grown)
                 candidate = _Planned(raised, dataclasses.replace(made, plan=raised), replanner)
@@ -573,7 +588,7 @@ class _Region:
     def _pending_cost_s(self, rewrite: Rewrite, example_inputs: Sequence[Any]) -> float:
         """What `rewrite`, not applied yet, is estimated to add to the step by itself."""
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
-        return sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, rewrite.pattern))
+        return _chunked_cost_s(find_matches(self.rewrites.gm.graph, rewrite.pattern), None, profile)
 
     def _cheap_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The least estimated added time of the first pending rewrite, at any chunk count it may
@@ -588,8 +603,7 @@ class _Region:
         rewrite = pending[0]
         profile = cost_profile(self.backend.options, self.backend.options.device or step_device(example_inputs))
         matches = find_matches(self.rewrites.gm.graph, rewrite.pattern)
-        return min(sum(x.added_time_s(profile) for x in (coarsened(matches, limit) if limit else matches))
-                   for limit in (None, *rewrite.room_limits))
+        return min(_chunked_cost_s(matches, limit, profile) for limit in (None, *rewrite.room_limits))
 
     def _cheapest_rewrite_s(self, example_inputs: Sequence[Any]) -> float | None:
         """The least estimated added time of the pending rewrites also tried where a plan fits
@@ -677,20 +691,14 @@ class _Region:
             if only_last and not search:
                 continue
             if i == 0 and first_reason and profile is not None and rewrite.room_limits:
-                coarser_plans: list[_Planned] = []
-
-                def coarser_taken(planned: _Planned, rewrite: Rewrite = rewrite, before: _Saved = before,
-                                  profile: DeviceProfile = profile, coarser_plans: list[_Planned] = coarser_plans) -> bool:
-                    # the plan made: compiled as it is unless fewer chunks are estimated faster
-                    chosen, _ = self._coarsened(rewrite, before, planned, self.rewrites.added_time_s(profile), profile)
-                    coarser_plans.append(chosen)
-                    return chosen is not planned
-
+                # compiled as its plan is made, unless fewer chunks are estimated faster
+                stop_if, weighed = self._weighing_chunk_counts(
+                    rewrite, before, _chunked_cost_s(self.rewrites.matches(rewrite.kind), None, profile), profile)
                 try:
                     return self._plan_for_position(position, outside,
-                                                   lambda o, stop_if=coarser_taken: compile_for(o, False, stop_if=stop_if))
+                                                   lambda o, stop_if=stop_if: compile_for(o, False, stop_if=stop_if))
                 except _Planned:
-                    chosen = coarser_plans[-1]
+                    chosen = weighed[-1][0]
                 except NoSolverPlanFits as no_fit:
                     unsearched.append((self._saved(), no_fit.floor_at_least))
                     continue
@@ -744,7 +752,7 @@ class _Region:
         file, 12 layers, 4 x 512, near its floor: 3.5 s added with the MLPs in 2 chunks, 0.5 s with
         them in 8) is not compiled: it is returned (None, its _Coarse) with the region as it was,
         for the caller to weigh against the finest graph's plan."""
-        finest_s = (sum(x.added_time_s(profile) for x in find_matches(self.rewrites.gm.graph, rewrite.pattern))
+        finest_s = (_chunked_cost_s(find_matches(self.rewrites.gm.graph, rewrite.pattern), None, profile)
                     if profile is not None else None)
         for limit in rewrite.coarse_first:
             saved = self._saved()
@@ -755,7 +763,7 @@ class _Region:
             logs.rung(f"{rewrite.what} in at most {limit} chunks ({reason})")
             rewrite_s = self.rewrites.added_time_s(profile) if profile is not None else 0.0
             # what chunking finer costs beyond this: a plan recomputing more is weighed against it
-            stop = (finest_s - sum(x.added_time_s(profile) for x in self.rewrites.matches(rewrite.kind))
+            stop = (finest_s - _chunked_cost_s(self.rewrites.matches(rewrite.kind), None, profile)
                     if profile is not None and finest_s is not None else None)
             try:
                 # The finest chunking's plan recomputes no more than this one's (it holds less), so
